@@ -1,0 +1,263 @@
+"""`python -m bench`: command line and the run over transports and benchmarks."""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+import sys
+
+from comm import config
+from comm.types import DType, ReduceOp, op_allowed
+
+from . import report
+from .benchmarks import Params, load_all
+from .launch import Control, StepFailed, find_mpirun, launched, placement, self_launch
+from .measure import Options, run_row, sweep_sizes
+from .runners import ANCHORS, make_runner
+
+DTYPES = {"int8": DType.INT8, "char": DType.INT8, "uint8": DType.UINT8, "int16": DType.INT16,
+          "int32": DType.INT32, "int": DType.INT32, "int64": DType.INT64,
+          "half": DType.FLOAT16, "float16": DType.FLOAT16, "fp16": DType.FLOAT16,
+          "float": DType.FLOAT32, "float32": DType.FLOAT32, "fp32": DType.FLOAT32,
+          "double": DType.FLOAT64, "float64": DType.FLOAT64, "fp64": DType.FLOAT64,
+          "bfloat16": DType.BFLOAT16, "bf16": DType.BFLOAT16, "bool": DType.BOOL}
+ALL_DTYPES = [DType.INT8, DType.UINT8, DType.INT16, DType.INT32, DType.INT64, DType.FLOAT16,
+              DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16]
+OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "product": ReduceOp.PRODUCT, "max": ReduceOp.MAX,
+       "min": ReduceOp.MIN, "avg": ReduceOp.AVG, "mulsum": ReduceOp.PREMUL_SUM,
+       "premul_sum": ReduceOp.PREMUL_SUM, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
+ALL_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG, ReduceOp.PREMUL_SUM]
+AVERAGE_NAMES = {"0": 0, "rank0": 0, "1": 1, "avg": 1, "2": 2, "min": 2, "3": 3, "max": 3}
+
+EPILOG = """\
+transports: this library's by name (native, mpi, ucx, nccl, verbs) and the anchors
+  gloo (torch.distributed) and mpi-raw (plain mpi4py calls; needs an MPI launcher).
+launch: mpirun -np N python -m bench ... | torchrun --nproc-per-node N -m bench ... |
+  srun -n N python -m bench ... | python -m bench --np N ... (self-launch; uses mpirun
+  when mpi-raw is requested and an mpirun is found, unless --no-mpirun).
+example: python -m bench --np 2 all_reduce -b 8 -e 64M -f 2 --transport native,mpi-raw,gloo
+"""
+
+
+def parse_size(text: str) -> int:
+    """'8', '64K', '1.5M', '1G', '64MB', '2GiB' -> bytes (K/M/G are powers of 1024, as nccl-tests)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use a number with an optional K, M or G")
+    unit = 1024 ** " KMGT".index(m.group(2).upper() or " ")
+    return int(float(m.group(1)) * unit)
+
+
+def _choice(table: dict, what: str):
+    def parse(text: str):
+        key = text.lower()
+        if key == "all":
+            return "all"
+        if key not in table:
+            raise argparse.ArgumentTypeError(f"unknown {what} {text!r}; one of: all, {', '.join(table)}")
+        return table[key]
+    return parse
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{text} must not be negative")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Collective benchmarks with nccl-tests conventions, "
+                                            "for several transports side by side.")
+    p.add_argument("benchmarks", nargs="*", metavar="BENCHMARK",
+                   help="all_reduce (default), reduce_scatter, all_gather, broadcast, reduce, all_to_all, "
+                        "all_to_all_v, sendrecv, barrier, any added module, or all")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("32M"), help="smallest size (32M)")
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("32M"), help="largest size (32M)")
+    p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
+                   help="size increment when -f is 1 (1M)")
+    p.add_argument("-f", "--stepfactor", type=_positive(int), default=1, help="size multiplier (1: use -i)")
+    p.add_argument("-n", "--iters", type=_positive(int), default=20, help="timed iterations (20)")
+    p.add_argument("-w", "--warmup_iters", type=_positive(int), default=5, help="warmup iterations (5)")
+    p.add_argument("-c", "--check", type=_positive(int), default=1, help="check results: 1 (default) or 0")
+    p.add_argument("-d", "--datatype", type=_choice(DTYPES, "dtype"), default=DType.FLOAT32,
+                   help="float (default), half, bfloat16, double, int8, uint8, int16, int32, int64, bool, or all")
+    p.add_argument("-o", "--op", type=_choice(OPS, "op"), default=ReduceOp.SUM,
+                   help="sum (default), prod, min, max, avg, mulsum, band, bor, bxor, or all")
+    p.add_argument("-r", "--root", type=_positive(int), default=0, help="root of broadcast/reduce (0)")
+    p.add_argument("-a", "--average", type=_choice(AVERAGE_NAMES, "average"), default=1,
+                   help="time reported over ranks: 0 rank 0, 1 avg (default), 2 min, 3 max")
+    p.add_argument("-T", "--timeout", type=float, default=None,
+                   help="seconds any operation may take (default COMM_TIMEOUT)")
+    p.add_argument("--transport", default=None,
+                   help="comma-separated list, e.g. native,mpi-raw,gloo (default COMM_TRANSPORT)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema comm-bench/1)")
+    p.add_argument("--plot", metavar="FILE.png", help="write busbw against size as a PNG")
+    p.add_argument("--np", type=_positive(int), default=0, help="self-launch this many local ranks")
+    p.add_argument("--no-mpirun", action="store_true", help="self-launch plain processes even for mpi-raw")
+    p.add_argument("--time-budget", type=float, default=0.25,
+                   help="seconds of timed iterations per size and mode before -n is cut (0.25; 0: never cut)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.transports = [t.strip() for t in (args.transport or config.get("COMM_TRANSPORT")).split(",") if t.strip()]
+    if args.average == "all":
+        raise SystemExit("-a takes 0, 1, 2 or 3")
+    return args
+
+
+def sizes(args) -> list[int]:
+    out, size = [], args.minbytes
+    while size <= args.maxbytes:
+        out.append(size)
+        nxt = size * args.stepfactor if args.stepfactor > 1 else size + args.stepbytes
+        if nxt <= size:
+            break
+        size = nxt
+    return out
+
+
+def _benchmarks(args, known: dict) -> list:
+    names = args.benchmarks or ["all_reduce"]
+    if "all" in names:
+        names = list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown benchmark {', '.join(unknown)}; known: {', '.join(known)}, all")
+    return [known[n] for n in names]
+
+
+def _ops(args, bench, dtype: DType) -> list:
+    if not bench.reduces:
+        return [None]
+    ops = ALL_OPS if args.op == "all" else [args.op]
+    return [op for op in ops if op_allowed(op, dtype)]
+
+
+def main(argv: list[str] | None = None, out=None, err=None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(raw)
+    benches = _benchmarks(args, load_all())
+    if args.np and not launched():
+        use_mpirun = "mpi-raw" in args.transports and not args.no_mpirun
+        if use_mpirun and find_mpirun() is None:
+            print("mpi-raw: needs mpirun (none found); the other transports run", file=err or sys.stderr)
+        return self_launch(raw, args.np, use_mpirun)
+    world = placement()
+    timeout = args.timeout or config.get("COMM_TIMEOUT")
+    ctl = Control(world, timeout + 60)
+    try:
+        return _run(args, raw, benches, world, ctl, report.Printer(world.rank == 0, out, err))
+    finally:
+        ctl.close()
+
+
+def _preamble(pr: report.Printer, args, world, opts: Options, ctl: Control) -> None:
+    procs = ctl.gather([os.getpid(), socket.gethostname()])
+    step = f"{args.stepfactor}(factor)" if args.stepfactor > 1 else f"{args.stepbytes}(bytes)"
+    pr.line(f"# comm bench: {' '.join(b for b in (args.benchmarks or ['all_reduce']))}")
+    pr.line(f"# nranks {world.size} launcher {world.launcher} minBytes {args.minbytes} maxBytes {args.maxbytes} "
+            f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters} validation: {opts.check} "
+            f"average: {report.AVERAGES[opts.average]} time budget: {opts.budget:g} s")
+    pr.line("#")
+    for r, (pid, host) in enumerate(procs):
+        pr.line(f"#  Rank {r:2d} Pid {pid:7d} on {host:>12s} device cpu")
+    pr.line("#")
+
+
+def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
+    opts = Options(sizes(args), args.iters, args.warmup_iters, args.check, args.average, args.root,
+                   args.time_budget, args.timeout)
+    if args.root >= world.size and any(b.rooted for b in benches):
+        pr.note(f"root {args.root} is not a rank of this {world.size}-rank job")
+        return 2
+    _preamble(pr, args, world, opts, ctl)
+    rows, status, failed = [], [], False
+    dtypes = ALL_DTYPES if args.datatype == "all" else [args.datatype]
+    for name in args.transports:
+        runner = make_runner(name)
+        reasons = ctl.gather(runner.unavailable(world.launcher))
+        reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
+                       for r, x in enumerate(reasons) if x), None)
+        if reason:
+            pr.line(f"# {name}: skipped: {reason}")
+            status.append({"name": name, "kind": runner.kind, "status": "skipped", "reason": reason})
+            continue
+        port = ctl.fresh_port()
+        try:
+            try:
+                runner.setup(world.rank, world.size, world.addr, port, args.timeout)
+            except Exception as e:
+                ctl.fail(e)
+            ctl.gather("up")
+        except StepFailed as e:
+            pr.line(f"# {name}: skipped: cannot start ({e})")
+            status.append({"name": name, "kind": runner.kind, "status": "skipped", "reason": str(e)})
+            _teardown(runner)
+            continue
+        kind = "this library" if runner.kind == "comm" else "anchor"
+        pr.line(f"# Transport: {name} ({kind})")
+        try:
+            rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr)
+            status.append({"name": name, "kind": runner.kind, "status": "ok", "reason": None})
+        except StepFailed as e:
+            failed = True
+            pr.line(f"# {name}: failed: {e}; its remaining benchmarks are skipped")
+            status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": str(e)})
+        _teardown(runner)
+    table = report.comparison(rows, args.transports, ANCHORS)
+    if table:
+        pr.line(table)
+    if world.rank == 0:
+        if args.json:
+            report.write_json(args.json, report.to_json(rows, status, report.settings_json(opts, args), raw, world))
+        if args.plot:
+            report.plot(args.plot, rows, args.transports)
+    wrong = any(m.wrong for r in rows for m in r.modes.values() if m is not None)
+    return 1 if wrong or failed else 0
+
+
+def _teardown(runner) -> None:
+    try:
+        runner.teardown()
+    except Exception as e:  # a transport that failed may not close cleanly; the run goes on
+        print(f"# {runner.name}: teardown: {e}", file=sys.stderr)
+
+
+def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr) -> list:
+    rows = []
+    for bench in benches:
+        if world.size < bench.min_ranks:
+            pr.line(f"# {name} {bench.name}: skipped: needs at least {bench.min_ranks} ranks")
+            continue
+        pr.line(f"# Collective test: {bench.name}")
+        pr.line(report.header())
+        mine = []
+        for dtype in (dtypes if bench.sweeps else dtypes[:1]):
+            for op in _ops(args, bench, dtype):
+                p = Params(0, dtype, op, args.root, world.rank, world.size)
+                why = [bench.unsupported(runner, p, m == "in-place") for m in bench.modes]
+                if all(why):
+                    pr.line(f"# {name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)}: "
+                            f"not run: {why[0]}")
+                    continue
+                for count, size in sweep_sizes(bench, opts, dtype, world.size):
+                    pr.progress(f"{name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)} {size} B")
+                    p.count = count
+                    try:
+                        row = run_row(bench, runner, ctl, opts, p, size, name)
+                    except StepFailed as e:
+                        raise StepFailed(f"{bench.name} {report.dtype_name(dtype)} {size} B: {e}") from None
+                    if row is not None:
+                        mine.append(row)
+                        pr.line(report.format_row(row))
+        pr.line(report.footer(mine))
+        rows += mine
+    return rows

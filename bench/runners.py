@@ -1,0 +1,292 @@
+"""Runners: how one library is driven. One interface, one small class per library.
+
+A runner is set up once per transport (`setup`), then the benchmarks call its operation
+methods on buffers it has wrapped (`wrap`), and `teardown` releases it. Operation methods are
+the hot path: they translate straight into one library call, nothing else.
+
+    CommRunner(name)   this library's communicator on transport `name` (native, mpi, ucx, ...)
+    GlooRunner         anchor: torch.distributed with the gloo backend
+    MpiRawRunner       anchor: plain mpi4py calls on COMM_WORLD (needs an MPI launcher)
+
+Adding a runner: subclass Runner, fill in `unavailable`, `setup`, `teardown`, `supports` and
+the operations, and add it to `make_runner`.
+"""
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import numpy as np
+
+from comm.types import DType, ReduceOp
+
+ANCHORS = ("gloo", "mpi-raw")
+MPI_LAUNCHERS = ("openmpi", "hydra", "slurm")
+
+
+class Runner:
+    """The interface every benchmark uses. Buffers are numpy storage arrays passed through wrap()."""
+
+    name: str = "?"
+    kind: str = "comm"            # "comm" (this library) or "anchor"
+    rank: int = 0
+    size: int = 1
+
+    def unavailable(self, launcher: str) -> str | None:
+        """None when this runner can run here under `launcher`, else a one-line reason."""
+        return None
+
+    def setup(self, rank: int, size: int, addr: str, port: int, timeout: float | None) -> None:
+        self.rank, self.size = rank, size
+
+    def teardown(self) -> None: ...
+
+    def supports(self, bench: str, dtype: DType, op: ReduceOp | None, in_place: bool) -> str | None:
+        """None when the library has this operation in this form, else why not (one line)."""
+        return None
+
+    def wrap(self, arr: np.ndarray, dtype: DType):
+        """A numpy storage array -> what the library's calls take (no copy)."""
+        return arr
+
+    # ---- operations (hot path). in_place: send is recv (all_gather: send is recv's slot) ----
+    def all_reduce(self, send, recv, op: ReduceOp, scale: float | None, in_place: bool): ...
+    def reduce_scatter(self, send, recv, op: ReduceOp, scale: float | None): ...
+    def all_gather(self, send, recv, in_place: bool): ...
+    def broadcast(self, buf, root: int): ...
+    def reduce(self, send, recv, root: int, op: ReduceOp, scale: float | None, in_place: bool): ...
+    def all_to_all(self, send, recv, send_counts, recv_counts): ...
+    def sendrecv(self, send, recv, dst: int, src: int): ...
+    def barrier(self): ...
+
+
+def _torch_view(arr: np.ndarray, dtype: DType):
+    import torch
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if dtype is DType.BFLOAT16 else t
+
+
+class CommRunner(Runner):
+    """This library: comm.init(transport=name) and the Communicator's calls."""
+
+    kind = "comm"
+
+    def __init__(self, name: str):
+        self.name = name
+        self.world = None
+
+    def unavailable(self, launcher):
+        from transports import base
+        reason = base.unavailable_reason(self.name)
+        if reason is None and "cpu" not in base.get(self.name).devices:
+            return "takes device buffers only; the bench allocates CPU buffers"
+        return reason
+
+    def setup(self, rank, size, addr, port, timeout):
+        import comm
+        super().setup(rank, size, addr, port, timeout)
+        self.world = comm.init(rank=rank, world_size=size, master_addr=addr, master_port=port,
+                               transport=self.name, timeout=timeout)
+
+    def teardown(self):
+        if self.world is not None:
+            self.world.close()
+            self.world = None
+
+    def supports(self, bench, dtype, op, in_place):
+        if bench == "reduce_scatter" and in_place:
+            return "no in-place reduce_scatter in the API"
+        if bench in ("all_to_all", "all_to_all_v", "sendrecv") and in_place:
+            return "out-of-place only"
+        return None
+
+    def wrap(self, arr, dtype):
+        return _torch_view(arr, dtype) if dtype is DType.BFLOAT16 else arr
+
+    def all_reduce(self, send, recv, op, scale, in_place):
+        self.world.all_reduce(send, op, out=None if in_place else recv, scale=scale)
+
+    def reduce_scatter(self, send, recv, op, scale):
+        self.world.reduce_scatter(recv, send, op, scale=scale)
+
+    def all_gather(self, send, recv, in_place):
+        self.world.all_gather(recv, send)
+
+    def broadcast(self, buf, root):
+        self.world.broadcast(buf, root)
+
+    def reduce(self, send, recv, root, op, scale, in_place):
+        self.world.reduce(send, root, op, out=None if in_place else recv, scale=scale)
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        self.world.all_to_all(recv, send, recv_counts, send_counts)
+
+    def sendrecv(self, send, recv, dst, src):
+        s = self.world.isend(send, dst)   # send first: a library that runs p2p in posting
+        r = self.world.irecv(recv, src)   # order would deadlock on recv-first from every rank
+        s.wait()
+        r.wait()
+
+    def barrier(self):
+        self.world.barrier()
+
+
+class GlooRunner(Runner):
+    """Anchor: torch.distributed's gloo backend (in-place collectives only, as torch has them)."""
+
+    name, kind = "gloo", "anchor"
+    _OPS = {"SUM": "SUM", "PRODUCT": "PRODUCT", "MIN": "MIN", "MAX": "MAX",
+            "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+
+    def unavailable(self, launcher):
+        try:
+            import torch.distributed as dist
+        except ImportError as e:
+            return f"torch is not installed ({e})"
+        return None if dist.is_available() and dist.is_gloo_available() else "torch has no gloo backend"
+
+    def setup(self, rank, size, addr, port, timeout):
+        import torch.distributed as dist
+        super().setup(rank, size, addr, port, timeout)
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+        self.dist = dist
+        wait = datetime.timedelta(seconds=timeout or 300)
+        # our own store: a tcp:// init_method would look for torchrun's agent store instead
+        self.store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=wait)
+        dist.init_process_group("gloo", store=self.store, rank=rank, world_size=size, timeout=wait)
+        self.ops = {op: getattr(dist.ReduceOp, name) for op, name in
+                    ((ReduceOp[k], v) for k, v in self._OPS.items())}
+        self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    def teardown(self):
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+        self.store = None
+
+    def supports(self, bench, dtype, op, in_place):
+        if dtype is DType.INT16:
+            return "gloo has no int16"
+        if op is not None and op not in self.ops:
+            return f"gloo has no {op.name.lower()}"
+        if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.is_floating:
+            return "bitwise ops need integers"
+        if bench in ("all_reduce", "reduce") and not in_place:
+            return "torch.distributed has no out-of-place form"
+        if bench in ("reduce_scatter", "all_to_all", "all_to_all_v", "sendrecv") and in_place:
+            return "out-of-place only"
+        return None
+
+    def wrap(self, arr, dtype):
+        return _torch_view(arr, dtype)
+
+    def all_reduce(self, send, recv, op, scale, in_place):
+        self.dist.all_reduce(recv, self.ops[op])
+
+    def reduce_scatter(self, send, recv, op, scale):
+        self._scatter(recv, send, self.ops[op])
+
+    def all_gather(self, send, recv, in_place):
+        self._gather(recv, send)
+
+    def broadcast(self, buf, root):
+        self.dist.broadcast(buf, root)
+
+    def reduce(self, send, recv, root, op, scale, in_place):
+        self.dist.reduce(send, root, self.ops[op])
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        self.dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts))
+
+    def sendrecv(self, send, recv, dst, src):
+        s = self.dist.isend(send, dst)
+        r = self.dist.irecv(recv, src)
+        s.wait()
+        r.wait()
+
+    def barrier(self):
+        self.dist.barrier()
+
+
+class MpiRawRunner(Runner):
+    """Anchor: the MPI library itself through plain mpi4py buffer calls on a dup of COMM_WORLD."""
+
+    name, kind = "mpi-raw", "anchor"
+    _REDUCIBLE = (DType.FLOAT32, DType.FLOAT64, DType.INT8, DType.INT16, DType.INT32, DType.INT64,
+                  DType.UINT8)
+
+    def unavailable(self, launcher):
+        if launcher not in MPI_LAUNCHERS:
+            return "needs mpirun (run under mpirun, or self-launch with mpirun on PATH)"
+        try:
+            import mpi4py  # noqa: F401
+        except ImportError as e:
+            return f"mpi4py is not installed ({e})"
+        return None
+
+    def setup(self, rank, size, addr, port, timeout):
+        from mpi4py import MPI
+        super().setup(rank, size, addr, port, timeout)
+        if MPI.COMM_WORLD.Get_size() != size or MPI.COMM_WORLD.Get_rank() != rank:
+            raise RuntimeError(f"MPI sees rank {MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}, "
+                               f"the job is rank {rank} of {size}")
+        self.MPI = MPI
+        self.c = MPI.COMM_WORLD.Dup()
+        self.ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN,
+                    ReduceOp.MAX: MPI.MAX, ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR,
+                    ReduceOp.BXOR: MPI.BXOR}
+
+    def teardown(self):
+        self.c.Free()
+
+    def supports(self, bench, dtype, op, in_place):
+        if op is not None:
+            if op not in self.ops:
+                return f"MPI has no {op.name.lower()}"
+            if dtype not in self._REDUCIBLE:
+                return f"MPI has no reduction on {dtype.name.lower()}"
+            if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.is_floating:
+                return "bitwise ops need integers"
+        if bench in ("reduce_scatter", "all_to_all", "all_to_all_v", "sendrecv") and in_place:
+            return "out-of-place only"
+        return None
+
+    def all_reduce(self, send, recv, op, scale, in_place):
+        self.c.Allreduce(self.MPI.IN_PLACE if in_place else send, recv, self.ops[op])
+
+    def reduce_scatter(self, send, recv, op, scale):
+        self.c.Reduce_scatter_block(send, recv, self.ops[op])
+
+    def all_gather(self, send, recv, in_place):
+        self.c.Allgather(self.MPI.IN_PLACE if in_place else send, recv)
+
+    def broadcast(self, buf, root):
+        self.c.Bcast(buf, root)
+
+    def reduce(self, send, recv, root, op, scale, in_place):
+        at_root = self.rank == root
+        self.c.Reduce(self.MPI.IN_PLACE if in_place and at_root else send, recv if at_root else None,
+                      self.ops[op], root)
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        self.c.Alltoallv([send, _displaced(send_counts)], [recv, _displaced(recv_counts)])
+
+    def sendrecv(self, send, recv, dst, src):
+        self.c.Sendrecv(send, dst, recvbuf=recv, source=src)
+
+    def barrier(self):
+        self.c.Barrier()
+
+
+def _displaced(counts) -> tuple[list[int], list[int]]:
+    """MPI's (counts, displacements) for blocks packed in rank order."""
+    displs = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(int).tolist()
+    return list(counts), displs
+
+
+def make_runner(name: str) -> Runner:
+    if name == "gloo":
+        return GlooRunner()
+    if name == "mpi-raw":
+        return MpiRawRunner()
+    return CommRunner(name)

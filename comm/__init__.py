@@ -1,0 +1,106 @@
+"""comm: one collectives API for distributed ML over many transports.
+
+    import comm
+    world = comm.init()            # torchrun / mpirun / Slurm environment, or explicit arguments
+    world.all_reduce(x)            # numpy, torch, any DLPack array; in place
+"""
+from __future__ import annotations
+
+import datetime
+
+from . import config, rendezvous
+from .buffers import Buffer
+from .communicator import Communicator
+from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
+                     PeerFailure, TransportUnavailable)
+from .types import DType, PremulSum, ReduceOp, premul_sum
+from .work import Work
+
+SUM = ReduceOp.SUM
+PRODUCT = ReduceOp.PRODUCT
+MIN = ReduceOp.MIN
+MAX = ReduceOp.MAX
+AVG = ReduceOp.AVG
+BAND = ReduceOp.BAND
+BOR = ReduceOp.BOR
+BXOR = ReduceOp.BXOR
+PREMUL_SUM = ReduceOp.PREMUL_SUM
+
+__all__ = ["init", "Communicator", "Work", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
+           "CommError", "InvalidArgument", "CommTimeout", "PeerFailure", "Aborted", "Closed",
+           "Mismatch", "TransportUnavailable",
+           "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+
+
+def _seconds(timeout) -> float:
+    if timeout is None:
+        return config.get("COMM_TIMEOUT")
+    if isinstance(timeout, datetime.timedelta):
+        return timeout.total_seconds()
+    return float(timeout)
+
+
+def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
+         master_port: int | None = None, transport: str = "auto", timeout=None) -> Communicator:
+    """Join the job and return the world communicator.
+
+    Rank, world size and the rendezvous address come from the arguments, else from the
+    launcher's environment (torchrun, mpirun, Slurm). A process started by none of them and
+    given no arguments is a world of one. transport: "auto" (COMM_TRANSPORT, default native),
+    "native", "mpi", "ucx", "nccl" or "verbs". timeout: seconds or timedelta for every
+    operation (default COMM_TIMEOUT).
+    """
+    from transports import base
+
+    seconds = _seconds(timeout)
+    if not seconds > 0:
+        raise InvalidArgument(f"timeout must be positive, got {timeout!r}", op="init")
+    place = rendezvous.detect()
+    if rank is not None:
+        place.rank = rank
+    if world_size is not None:
+        place.size = world_size
+    place.master_addr = master_addr or place.master_addr
+    place.master_port = master_port or place.master_port
+    if place.rank is None and place.size is None:
+        place.rank, place.size = 0, 1
+    if place.rank is None or place.size is None:
+        raise InvalidArgument(f"rank ({place.rank}) and world size ({place.size}) must both be known",
+                              op="init")
+    if not (isinstance(place.size, int) and place.size >= 1 and 0 <= place.rank < place.size):
+        raise InvalidArgument(f"rank {place.rank} is not in a world of size {place.size}; check "
+                              "RANK/WORLD_SIZE (or the launcher's variables)", rank=place.rank, op="init")
+    if place.launcher in ("openmpi", "hydra") and (place.master_addr is None or place.master_port is None):
+        place = rendezvous.share_address_through_mpi(place)
+    if place.size == 1:
+        place.master_addr = place.master_addr or "127.0.0.1"
+        place.master_port = place.master_port if place.master_port is not None else 0
+    addr = place.master_addr or "127.0.0.1"
+    port = place.master_port if place.master_port is not None else rendezvous.DEFAULT_PORT
+
+    name = config.get("COMM_TRANSPORT") if transport == "auto" else transport
+    cls = base.get(name)
+    reason = cls.available()
+    if reason is not None:
+        raise TransportUnavailable(f"transport {name!r} cannot run here: {reason}", rank=place.rank, op="init")
+
+    secret = config.get("COMM_SECRET")
+    if secret is None and place.size > 1:
+        from . import auth
+        auth.warn_unauthenticated()
+    secret_bytes = secret.encode() if secret else None
+    bind = rendezvous.bind_address()
+    if place.size == 1 and port == 0:
+        port = rendezvous.free_port()
+    from .store import Store
+    store = Store.host_or_connect(addr, port, rank=place.rank, size=place.size, timeout=seconds,
+                                  secret=secret_bytes, bind_addr=bind)
+    ctx = base.BootstrapContext(place.rank, place.size, store.scoped("world"), seconds,
+                                rendezvous.host_id(), secret_bytes, bind, "world")
+    try:
+        impl = cls.create(ctx)
+    except BaseException:
+        store.close()
+        raise
+    return Communicator(impl, ctx, owned_store=store)
+

@@ -1,0 +1,143 @@
+"""Array-neutral buffers: numpy, torch (CPU/CUDA), DLPack and __cuda_array_interface__, no copies.
+
+A `Buffer` is what transports see: a pointer, an element count, a dtype and the device. The
+array object it came from is kept alive in `obj` for as long as an operation uses the buffer.
+torch is never imported here: tensors are recognised by their type's module.
+"""
+from __future__ import annotations
+
+import ctypes
+import numpy as np
+
+from .errors import InvalidArgument
+from .types import NUMPY_TO_DTYPE, DType
+
+_TORCH_DTYPES = {"torch.float16": DType.FLOAT16, "torch.bfloat16": DType.BFLOAT16,
+                 "torch.float32": DType.FLOAT32, "torch.float64": DType.FLOAT64,
+                 "torch.int8": DType.INT8, "torch.int16": DType.INT16, "torch.int32": DType.INT32,
+                 "torch.int64": DType.INT64, "torch.uint8": DType.UINT8, "torch.bool": DType.BOOL}
+_TYPESTR = {"<f2": DType.FLOAT16, "<f4": DType.FLOAT32, "<f8": DType.FLOAT64, "|i1": DType.INT8,
+            "<i2": DType.INT16, "<i4": DType.INT32, "<i8": DType.INT64, "|u1": DType.UINT8,
+            "|b1": DType.BOOL}
+
+
+class Buffer:
+    """Where an array's elements are. A plain slotted class: it is built on every call, and a
+    frozen dataclass costs microseconds there."""
+
+    __slots__ = ("ptr", "count", "dtype", "shape", "device", "device_index", "readonly", "obj")
+
+    def __init__(self, ptr: int, count: int, dtype: DType, shape: tuple, device: str = "cpu",
+                 device_index: int = 0, readonly: bool = False, obj: object = None):
+        self.ptr = ptr
+        self.count = count
+        self.dtype = dtype
+        self.shape = shape
+        self.device = device
+        self.device_index = device_index
+        self.readonly = readonly
+        self.obj = obj
+
+    def __repr__(self) -> str:
+        return (f"Buffer(ptr={self.ptr:#x}, count={self.count}, dtype={self.dtype.name}, "
+                f"shape={self.shape}, device={self.device}:{self.device_index})")
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * self.dtype.itemsize
+
+    def view(self, offset: int, count: int) -> "Buffer":
+        """Elements [offset, offset + count) as a flat buffer."""
+        return Buffer(self.ptr + offset * self.dtype.itemsize, count, self.dtype, (count,),
+                      self.device, self.device_index, self.readonly, self.obj)
+
+    def numpy(self) -> np.ndarray:
+        """A flat numpy view of the storage (bfloat16 as uint16); CPU only, no copy."""
+        if self.device != "cpu":
+            raise InvalidArgument(f"a {self.device} buffer has no numpy view")
+        storage = self.dtype.numpy_storage
+        if self.count == 0:
+            return np.empty(0, storage)
+        raw = (ctypes.c_uint8 * self.nbytes).from_address(self.ptr)
+        arr = np.frombuffer(raw, dtype=storage)
+        if self.readonly:
+            arr.flags.writeable = False
+        return arr
+
+
+def _bad(op: str, what: str) -> InvalidArgument:
+    return InvalidArgument(what, op=op)
+
+
+def _array_interface_address(a: np.ndarray) -> tuple[int, bool, bool]:
+    return a.__array_interface__["data"][0], not a.flags.writeable, a.flags.c_contiguous
+
+
+try:  # the buffer protocol read from C is the cheap way; the engine's module provides it
+    from ._native import buffer_address as _address
+except ImportError:
+    _address = _array_interface_address
+
+
+def _from_numpy(a: np.ndarray, op: str, obj=None) -> Buffer:
+    dtype = NUMPY_TO_DTYPE.get(a.dtype)
+    if dtype is None:
+        raise _bad(op, f"dtype {a.dtype} is not supported (use float16/32/64, int8..int64, uint8, bool; "
+                       "bfloat16 through torch)")
+    ptr, readonly, contiguous = _address(a)
+    if not contiguous:
+        raise _bad(op, f"array of shape {a.shape} is not contiguous; pass np.ascontiguousarray(x)")
+    return Buffer(ptr, a.size, dtype, a.shape, "cpu", 0, readonly, a if obj is None else obj)
+
+
+def _from_torch(t, op: str) -> Buffer:
+    dtype = _TORCH_DTYPES.get(str(t.dtype))
+    if dtype is None:
+        raise _bad(op, f"dtype {t.dtype} is not supported")
+    if not t.is_contiguous():
+        raise _bad(op, f"tensor of shape {tuple(t.shape)} is not contiguous; pass x.contiguous()")
+    dev = t.device
+    return Buffer(t.data_ptr(), t.numel(), dtype, tuple(t.shape), dev.type,
+                  dev.index or 0, False, t)
+
+
+def _from_cai(x, op: str) -> Buffer:
+    cai = x.__cuda_array_interface__
+    dtype = _TYPESTR.get(cai["typestr"])
+    if dtype is None:
+        raise _bad(op, f"CUDA array type {cai['typestr']} is not supported")
+    shape = tuple(cai["shape"])
+    strides = cai.get("strides")
+    count = int(np.prod(shape)) if shape else 1
+    if strides is not None:
+        expect, want = dtype.itemsize, []
+        for dim in reversed(shape):
+            want.append(expect)
+            expect *= dim
+        if tuple(reversed(want)) != tuple(strides) and count > 1:
+            raise _bad(op, "CUDA array is not contiguous")
+    ptr, readonly = cai["data"]
+    return Buffer(ptr, count, dtype, shape, "cuda", 0, bool(readonly), x)
+
+
+def as_buffer(x, *, op: str, writable: bool) -> Buffer:
+    """The Buffer behind array `x`; InvalidArgument if it cannot be used without a copy."""
+    if type(x) is np.ndarray or isinstance(x, np.ndarray):
+        buf = _from_numpy(x, op)
+    elif type(x).__module__.startswith("torch"):
+        buf = _from_torch(x, op)
+    elif hasattr(x, "__cuda_array_interface__"):
+        buf = _from_cai(x, op)
+    elif hasattr(x, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError) as e:
+            raise _bad(op, f"cannot import {type(x).__name__} through DLPack: {e}") from None
+        buf = _from_numpy(arr, op, obj=(arr, x))
+    elif isinstance(x, (bytearray, memoryview)):
+        buf = _from_numpy(np.asarray(x if isinstance(x, memoryview) else memoryview(x)), op, obj=x)
+    else:
+        raise _bad(op, f"expected an array (numpy, torch, DLPack), got {type(x).__name__}")
+    if writable and buf.readonly:
+        raise _bad(op, "the output buffer is read-only")
+    return buf

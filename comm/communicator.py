@@ -1,0 +1,323 @@
+"""Communicator: validates every argument, builds one OpDesc, posts it to the transport.
+
+Nothing here knows a transport's details. Bad input is refused on the caller's rank with
+InvalidArgument before anything is sent, and the communicator stays usable afterwards; a
+transport failure (dead peer, timeout, mismatch, abort) poisons the communicator, so later
+calls fail at once with the original cause instead of hanging.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+
+from .buffers import Buffer, as_buffer
+from .errors import Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure
+from .flight_recorder import FlightRecorder
+from .ops import BootstrapContext, OpDesc, OpKind
+from .types import DType, PremulSum, ReduceOp, op_allowed
+from .work import Work
+
+SUM, PRODUCT, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG
+# (op, dtype) -> allowed, precomputed: enum construction and checks cost microseconds per call,
+# and the Python layer's cost is most of a small message's latency.
+_REDUCE_OPS = {op: op for op in ReduceOp}
+_ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
+
+
+class Communicator:
+    """A group of ranks and the transport that connects them. Create with comm.init()."""
+
+    def __init__(self, transport, ctx: BootstrapContext, *, owned_store=None,
+                 ranks: tuple[int, ...] | None = None):
+        self._transport = transport
+        self._ctx = ctx
+        self._owned_store = owned_store  # the world's store connection, closed with it
+        self.rank = ctx.rank
+        self.size = ctx.size
+        self.timeout = ctx.timeout
+        self.transport = transport.name
+        self.ranks = ranks if ranks is not None else tuple(range(ctx.size))  # parent ranks
+        self._next_seq = itertools.count(1).__next__   # atomic under the GIL
+        self._split_count = 0
+        self._failure: CommError | None = None
+        self._closed = False
+        self._recorder = FlightRecorder(ctx.rank, ctx.group_name)
+
+    def __repr__(self) -> str:
+        return f"<comm.Communicator rank {self.rank} of {self.size} on {self.transport} ({self._ctx.group_name})>"
+
+    # ---- context manager -------------------------------------------------------------------
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- argument checking -----------------------------------------------------------------
+    def _error(self, op: str, cause: str) -> InvalidArgument:
+        return InvalidArgument(cause, rank=self.rank, op=op)
+
+    def _buf(self, x, op: str, *, writable: bool, what: str) -> Buffer:
+        if x is None:
+            raise self._error(op, f"{what} buffer is required")
+        try:
+            buf = as_buffer(x, op=op, writable=writable)
+        except InvalidArgument as e:
+            raise self._error(op, f"{what}: {e.cause}") from None
+        if buf.device not in self._transport.devices:
+            raise self._error(op, f"{what} is on {buf.device}, which transport {self.transport!r} cannot "
+                                  f"reach (it takes {', '.join(sorted(self._transport.devices))}); "
+                                  "use a transport for that device (nccl for CUDA) or move the data")
+        return buf
+
+    def _same_type(self, op: str, a: Buffer, b: Buffer) -> None:
+        if a.dtype != b.dtype:
+            raise self._error(op, f"mixed dtypes: input is {a.dtype.name.lower()}, output is {b.dtype.name.lower()}")
+        if a.device != b.device:
+            raise self._error(op, f"input is on {a.device}, output on {b.device}")
+
+    def _reduce_op(self, op_name: str, op, buf: Buffer, scale: float | None) -> tuple[ReduceOp, float]:
+        rop = _REDUCE_OPS.get(op) if type(op) is not PremulSum else None
+        if rop is None:
+            if type(op) is not PremulSum:
+                raise self._error(op_name, f"unknown reduce op {op!r}")
+            rop, factor = ReduceOp.PREMUL_SUM, op.factor
+        else:
+            factor = 1.0 if scale is None else float(scale)
+            if rop is ReduceOp.PREMUL_SUM and scale is None:
+                raise self._error(op_name, "PREMUL_SUM needs a factor: op=comm.premul_sum(f) or scale=f")
+        if not _ALLOWED[rop, buf.dtype]:
+            raise self._error(op_name, f"{rop.name} is not defined for {buf.dtype.name.lower()}")
+        return rop, factor
+
+    def _root(self, op: str, root: int, what: str = "root") -> int:
+        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
+            raise self._error(op, f"{what} {root!r} is out of range for a group of {self.size}")
+        return root
+
+    def _count_match(self, op: str, got: int, want: int, what: str) -> None:
+        if got != want:
+            raise self._error(op, f"{what} has {got} elements, expected {want}")
+
+    # ---- posting -----------------------------------------------------------------------------
+    def _post(self, desc: OpDesc, async_op: bool):
+        if self._failure is not None or self._closed:
+            self._refuse(desc.kind.label)
+        desc.seq = self._next_seq()
+        entry = self._recorder.posted(desc)
+        try:
+            req = self._transport.post(desc, not async_op)
+            if not async_op:
+                req.wait(self.timeout)
+        except CommError as e:
+            raise self._failed_op(desc, e, entry) from None
+        if async_op:
+            return Work(self, req, desc)
+        entry[5] = "done"
+        return None
+
+    def _refuse(self, op: str):
+        if self._closed:
+            raise Closed("the communicator is closed", rank=self.rank, op=op)
+        raise Aborted(f"the communicator failed earlier and takes no more work ({self._failure.cause}); "
+                      "create a new one", rank=self.rank, op=op)
+
+    def _failed_op(self, desc: OpDesc | None, err: CommError, entry=None) -> CommError:
+        """Give `err` this rank and op, poison the communicator, dump the flight recorder."""
+        err.locate(self.rank, desc.kind.label if desc is not None else None)
+        if not isinstance(err, InvalidArgument):
+            if self._failure is None:
+                self._failure = err
+            if entry is not None:
+                entry[5] = "failed"
+            if isinstance(err, (CommTimeout, PeerFailure)):
+                self._recorder.dump(str(err))
+        return err
+
+    def _completed(self, desc: OpDesc | None, error: CommError | None) -> None:
+        """Work calls this when an async op ends."""
+
+    # ---- collectives -------------------------------------------------------------------------
+    def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
+        """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
+        name = "all_reduce"
+        send = self._buf(x, name, writable=out is None, what="input")
+        recv = send if out is None else self._buf(out, name, writable=True, what="output")
+        self._same_type(name, send, recv)
+        self._count_match(name, recv.count, send.count, "output")
+        rop, factor = self._reduce_op(name, op, send, scale)
+        return self._post(OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor), async_op)
+
+    def reduce_scatter(self, out, x, op=SUM, *, scale: float | None = None, async_op: bool = False):
+        """Reduce x (size * len(out) elements) over all ranks; rank r gets block r in `out`."""
+        name = "reduce_scatter"
+        send = self._buf(x, name, writable=False, what="input")
+        recv = self._buf(out, name, writable=True, what="output")
+        self._same_type(name, send, recv)
+        self._count_match(name, send.count, recv.count * self.size, "input")
+        rop, factor = self._reduce_op(name, op, send, scale)
+        return self._post(OpDesc(OpKind.REDUCE_SCATTER, send, recv, send.dtype, recv.count, rop, factor), async_op)
+
+    def all_gather(self, out, x, *, async_op: bool = False):
+        """Concatenate every rank's x, in rank order, into `out` (size * len(x) elements)."""
+        name = "all_gather"
+        send = self._buf(x, name, writable=False, what="input")
+        recv = self._buf(out, name, writable=True, what="output")
+        self._same_type(name, send, recv)
+        self._count_match(name, recv.count, send.count * self.size, "output")
+        return self._post(OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count), async_op)
+
+    def broadcast(self, x, root: int = 0, *, async_op: bool = False):
+        """Copy root's x into x on every rank."""
+        name = "broadcast"
+        buf = self._buf(x, name, writable=True, what="buffer")
+        root = self._root(name, root)
+        return self._post(OpDesc(OpKind.BROADCAST, buf, buf, buf.dtype, buf.count, root=root), async_op)
+
+    def reduce(self, x, root: int = 0, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
+        """Reduce x over all ranks into root's x (or root's `out`); other ranks' buffers are untouched."""
+        name = "reduce"
+        root = self._root(name, root)
+        send = self._buf(x, name, writable=out is None and self.rank == root, what="input")
+        recv = None
+        if self.rank == root:
+            recv = send if out is None else self._buf(out, name, writable=True, what="output")
+            self._same_type(name, send, recv)
+            self._count_match(name, recv.count, send.count, "output")
+        rop, factor = self._reduce_op(name, op, send, scale)
+        return self._post(OpDesc(OpKind.REDUCE, send, recv, send.dtype, send.count, rop, factor, root), async_op)
+
+    def gather(self, out, x, root: int = 0, *, async_op: bool = False):
+        """Concatenate every rank's x into root's `out` (other ranks may pass out=None)."""
+        name = "gather"
+        root = self._root(name, root)
+        send = self._buf(x, name, writable=False, what="input")
+        recv = None
+        if self.rank == root:
+            recv = self._buf(out, name, writable=True, what="output")
+            self._same_type(name, send, recv)
+            self._count_match(name, recv.count, send.count * self.size, "output")
+        return self._post(OpDesc(OpKind.GATHER, send, recv, send.dtype, send.count, root=root), async_op)
+
+    def scatter(self, out, x, root: int = 0, *, async_op: bool = False):
+        """Block r of root's x (size * len(out) elements) goes to rank r's `out`; non-roots pass x=None."""
+        name = "scatter"
+        root = self._root(name, root)
+        recv = self._buf(out, name, writable=True, what="output")
+        send = None
+        if self.rank == root:
+            send = self._buf(x, name, writable=False, what="input")
+            self._same_type(name, send, recv)
+            self._count_match(name, send.count, recv.count * self.size, "input")
+        return self._post(OpDesc(OpKind.SCATTER, send, recv, recv.dtype, recv.count, root=root), async_op)
+
+    def _splits(self, op: str, buf: Buffer, splits, what: str) -> tuple[int, ...]:
+        """Rows of dim 0 per rank -> element counts per rank."""
+        if len(buf.shape) == 0:
+            raise self._error(op, f"{what} must have at least one dimension")
+        rows = buf.shape[0]
+        row = buf.count // rows if rows else 0
+        if splits is None:
+            if rows % self.size:
+                raise self._error(op, f"{what} has {rows} rows, not divisible by the group size "
+                                      f"{self.size}; pass splits")
+            return (rows // self.size * row,) * self.size
+        splits = tuple(int(s) for s in splits)
+        if len(splits) != self.size:
+            raise self._error(op, f"{what} splits have {len(splits)} entries for a group of {self.size}")
+        if any(s < 0 for s in splits):
+            raise self._error(op, f"{what} splits {splits} has a negative entry")
+        if sum(splits) != rows:
+            raise self._error(op, f"{what} splits sum to {sum(splits)} but it has {rows} rows")
+        return tuple(s * row for s in splits)
+
+    def all_to_all(self, out, x, out_splits=None, in_splits=None, *, async_op: bool = False):
+        """Rank r sends in_splits[j] rows of x to rank j and receives out_splits[j] rows from rank j,
+        packed in rank order (torch's all_to_all_single). Without splits: equal blocks."""
+        name = "all_to_all"
+        send = self._buf(x, name, writable=False, what="input")
+        recv = self._buf(out, name, writable=True, what="output")
+        self._same_type(name, send, recv)
+        if send.shape[1:] != recv.shape[1:] and send.count and recv.count:
+            raise self._error(name, f"input rows {send.shape[1:]} and output rows {recv.shape[1:]} differ")
+        send_counts = self._splits(name, send, in_splits, "input")
+        recv_counts = self._splits(name, recv, out_splits, "output")
+        if in_splits is None and out_splits is None:
+            self._count_match(name, recv.count, send.count, "output")
+        return self._post(OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,
+                                 send_counts=send_counts, recv_counts=recv_counts), async_op)
+
+    def barrier(self, *, async_op: bool = False):
+        """Return once every rank has entered the barrier."""
+        return self._post(OpDesc(OpKind.BARRIER), async_op)
+
+    # ---- point to point ----------------------------------------------------------------------
+    def _p2p(self, kind: OpKind, x, peer: int, tag: int, async_op: bool):
+        name = kind.label
+        buf = self._buf(x, name, writable=kind is OpKind.RECV, what="buffer")
+        peer = self._root(name, peer, "dst" if kind is OpKind.SEND else "src")
+        if peer == self.rank:
+            raise self._error(name, "cannot send to or receive from itself")
+        if not isinstance(tag, int) or not 0 <= tag < 2**31:
+            raise self._error(name, f"tag {tag!r} must be an integer in [0, 2**31)")
+        desc = OpDesc(kind, buf if kind is OpKind.SEND else None, buf if kind is OpKind.RECV else None,
+                      buf.dtype, buf.count, peer=peer, tag=tag)
+        return self._post(desc, async_op)
+
+    def send(self, x, dst: int, tag: int = 0) -> None:
+        """Send x to rank dst; returns when x may be reused."""
+        self._p2p(OpKind.SEND, x, dst, tag, False)
+
+    def recv(self, x, src: int, tag: int = 0) -> None:
+        """Receive into x from rank src (x must have the sender's element count)."""
+        self._p2p(OpKind.RECV, x, src, tag, False)
+
+    def isend(self, x, dst: int, tag: int = 0) -> Work:
+        return self._p2p(OpKind.SEND, x, dst, tag, True)
+
+    def irecv(self, x, src: int, tag: int = 0) -> Work:
+        return self._p2p(OpKind.RECV, x, src, tag, True)
+
+    def batch_p2p(self, ops) -> list[Work]:
+        """Post many comm.p2p.P2POp at once, sends first (no deadlock in any order)."""
+        from .p2p import batch_p2p
+        return batch_p2p(self, ops)
+
+    # ---- groups and lifetime -----------------------------------------------------------------
+    def split(self, color: int | None, key: int | None = None) -> "Communicator | None":
+        """Collective over this group: ranks with equal color form a new communicator, ordered by
+        (key, rank). color=None (or negative) takes part without joining; it gets None."""
+        if self._failure is not None or self._closed:
+            self._refuse("split")
+        color = -1 if color is None else int(color)
+        key = self.rank if key is None else int(key)
+        self._split_count += 1
+        tag = f"split{self._split_count}"
+        entries = [struct.unpack("!qq", v) for v in self._ctx.store.all_gather(tag, struct.pack("!qq", color, key))]
+        if color < 0:
+            self._transport.split(-1, key, None)
+            return None
+        members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
+        ranks = tuple(r for _, r in members)
+        new_rank = ranks.index(self.rank)
+        store = self._ctx.store.scoped(f"{tag}/c{color}", new_rank, len(ranks))
+        ctx = BootstrapContext(new_rank, len(ranks), store, self.timeout, self._ctx.host_id,
+                               self._ctx.secret, self._ctx.bind_addr,
+                               f"{self._ctx.group_name}.{tag}.c{color}", self._ctx.options)
+        transport = self._transport.split(color, key, ctx)
+        return Communicator(transport, ctx, ranks=tuple(self.ranks[r] for r in ranks))
+
+    def abort(self) -> None:
+        """Fail every pending and future operation at once (any thread may call it)."""
+        if self._failure is None:
+            self._failure = Aborted("aborted by the user", rank=self.rank, op="abort")
+        self._transport.abort()
+
+    def close(self) -> None:
+        """Release connections and shared memory. Idempotent; later calls raise Closed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._transport.close()
+        if self._owned_store is not None:
+            self._owned_store.close()

@@ -1,0 +1,74 @@
+"""The operation descriptor and bootstrap context: what the communicator hands a transport."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .buffers import Buffer
+from .types import DType, ReduceOp
+
+
+class OpKind(enum.IntEnum):
+    """Operation kinds. Values are wire codes shared with the native engine: never renumber."""
+
+    ALL_REDUCE = 0
+    REDUCE_SCATTER = 1
+    ALL_GATHER = 2
+    BROADCAST = 3
+    REDUCE = 4
+    GATHER = 5
+    SCATTER = 6
+    ALL_TO_ALL = 7
+    SEND = 8
+    RECV = 9
+    BARRIER = 10
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(slots=True)
+class OpDesc:
+    """One operation. Counts are in elements; see each kind's buffer convention below.
+
+    ALL_REDUCE     send[count] -> recv[count]            (in place when send.ptr == recv.ptr)
+    REDUCE_SCATTER send[n*count] -> recv[count]
+    ALL_GATHER     send[count] -> recv[n*count]          (in place: send is recv's slot `rank`)
+    BROADCAST      send is recv, [count]; root's data goes out
+    REDUCE         send[count] -> recv[count] on root (recv None elsewhere)
+    GATHER         send[count] -> recv[n*count] on root (recv None elsewhere)
+    SCATTER        send[n*count] on root (None elsewhere) -> recv[count]
+    ALL_TO_ALL     send[sum(send_counts)] -> recv[sum(recv_counts)], packed in rank order
+    SEND / RECV    send or recv [count] with `peer` and `tag`; same (peer, tag) matches in order
+    BARRIER        no buffers
+    """
+
+    kind: OpKind
+    send: Buffer | None = None
+    recv: Buffer | None = None
+    dtype: DType = DType.UINT8
+    count: int = 0
+    op: ReduceOp = ReduceOp.SUM
+    scale: float = 1.0
+    root: int = 0
+    peer: int = -1
+    tag: int = 0
+    send_counts: tuple[int, ...] | None = None
+    recv_counts: tuple[int, ...] | None = None
+    seq: int = 0
+
+
+@dataclass
+class BootstrapContext:
+    """What a transport needs to connect one group: who it is, and a store scoped to the group."""
+
+    rank: int
+    size: int
+    store: object  # comm.store.Store
+    timeout: float
+    host_id: str
+    secret: bytes | None = None
+    bind_addr: str | None = None
+    group_name: str = "world"
+    options: dict = field(default_factory=dict)

@@ -1,0 +1,205 @@
+"""Who am I: rank, world size and rendezvous address from the launcher's environment.
+
+One small detector per launcher (modelled on jax's clusters/): each says whether it sees its
+launcher and fills in what it knows. Explicit arguments to comm.init() win over all of them.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import socket
+import struct
+from dataclasses import dataclass
+
+from . import config
+from .errors import InvalidArgument
+
+DEFAULT_PORT = 29500
+
+
+@dataclass
+class Placement:
+    rank: int | None = None
+    size: int | None = None
+    local_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    launcher: str = "explicit"
+
+
+def _int(env: dict, key: str) -> int | None:
+    value = env.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidArgument(f"environment variable {key}={value!r} is not an integer", op="init") from None
+
+
+def _master(env: dict) -> tuple[str | None, int | None]:
+    return env.get("MASTER_ADDR") or None, _int(env, "MASTER_PORT")
+
+
+class Launcher:
+    name = "?"
+
+    @staticmethod
+    def detect(env: dict) -> bool:
+        raise NotImplementedError
+
+    @staticmethod
+    def placement(env: dict) -> Placement:
+        raise NotImplementedError
+
+
+class Torchrun(Launcher):
+    name = "torchrun"
+
+    @staticmethod
+    def detect(env):
+        return "RANK" in env and "WORLD_SIZE" in env
+
+    @staticmethod
+    def placement(env):
+        return Placement(_int(env, "RANK"), _int(env, "WORLD_SIZE"), _int(env, "LOCAL_RANK"),
+                         *_master(env), launcher="torchrun")
+
+
+class OpenMPI(Launcher):
+    name = "openmpi"
+
+    @staticmethod
+    def detect(env):
+        return "OMPI_COMM_WORLD_RANK" in env
+
+    @staticmethod
+    def placement(env):
+        return Placement(_int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE"),
+                         _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"), *_master(env), launcher="openmpi")
+
+
+class Hydra(Launcher):
+    """MPICH / Intel MPI's Hydra process manager (PMI_RANK, PMI_SIZE)."""
+
+    name = "hydra"
+
+    @staticmethod
+    def detect(env):
+        return "PMI_RANK" in env and "PMI_SIZE" in env
+
+    @staticmethod
+    def placement(env):
+        return Placement(_int(env, "PMI_RANK"), _int(env, "PMI_SIZE"),
+                         _int(env, "MPI_LOCALRANKID"), *_master(env), launcher="hydra")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as 'gpu[003-010,12],cpu1' -> 'gpu003'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise InvalidArgument(f"cannot parse Slurm node list {nodelist!r}", op="init")
+    prefix, ranges = m.group(1), m.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+class Slurm(Launcher):
+    name = "slurm"
+
+    @staticmethod
+    def detect(env):
+        return "SLURM_PROCID" in env and "SLURM_NTASKS" in env
+
+    @staticmethod
+    def placement(env):
+        addr, port = _master(env)
+        nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if addr is None and nodes:
+            addr = first_slurm_host(nodes)
+        if port is None and env.get("SLURM_JOB_ID"):
+            port = 20000 + int(env["SLURM_JOB_ID"]) % 20000   # same on every task of the job
+        return Placement(_int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS"),
+                         _int(env, "SLURM_LOCALID"), addr, port, launcher="slurm")
+
+
+# Order matters: torchrun's variables win (torchrun under Slurm), then MPI, then Slurm.
+LAUNCHERS: list[type[Launcher]] = [Torchrun, OpenMPI, Hydra, Slurm]
+
+
+def detect(env: dict | None = None) -> Placement:
+    env = dict(os.environ) if env is None else env
+    for launcher in LAUNCHERS:
+        if launcher.detect(env):
+            return launcher.placement(env)
+    return Placement(*(None,) * 2, None, *_master(env))
+
+
+def share_address_through_mpi(placement: Placement) -> Placement:
+    """Under mpirun without MASTER_ADDR: rank 0 picks its address and a free port, and mpi4py
+    broadcasts them. Without mpi4py the user must set MASTER_ADDR/MASTER_PORT."""
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        raise InvalidArgument("launched by mpirun without MASTER_ADDR/MASTER_PORT; set them, or "
+                              "install mpi4py so rank 0 can share its address", op="init",
+                              rank=placement.rank) from None
+    addr = port = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        addr = placement.master_addr or routable_address()
+        port = placement.master_port or free_port()
+    placement.master_addr, placement.master_port = MPI.COMM_WORLD.bcast((addr, port), root=0)
+    return placement
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def routable_address() -> str:
+    """An IPv4 address other hosts can reach us at (the host name's, else loopback)."""
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not addr.startswith("127."):
+            return addr
+    except OSError:
+        pass
+    return "127.0.0.1"
+
+
+def interface_address(ifname: str) -> str:
+    """The IPv4 address of network interface `ifname` (SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
+        except OSError as e:
+            raise InvalidArgument(f"COMM_IFNAME={ifname!r}: no IPv4 address ({e.strerror})", op="init") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def bind_address() -> str | None:
+    """Where to bind listening sockets: COMM_BIND_ADDR, else COMM_IFNAME's address, else None."""
+    addr = config.get("COMM_BIND_ADDR")
+    if addr:
+        return addr
+    ifname = config.get("COMM_IFNAME")
+    return interface_address(ifname) if ifname else None
+
+
+def host_id() -> str:
+    """Ranks with the same host id share /dev/shm and may use shared memory. The network
+    namespace is part of it, so ranks in two namespaces of one machine count as two hosts."""
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}/{netns}"

@@ -1,0 +1,44 @@
+// Every algorithm is a function over a Comm and one Coll. Adding one: write it in its
+// family's file and add a row to the table in select.cc.
+#pragma once
+
+#include "comm.h"
+
+namespace comm {
+
+// ring.cc: bandwidth-optimal, any topology
+void ring_all_reduce(Comm& c, const Coll& op);
+void ring_reduce_scatter(Comm& c, const Coll& op);
+void ring_all_gather(Comm& c, const Coll& op);
+// tree.cc: binomial tree, latency log2(n)
+void tree_broadcast(Comm& c, const Coll& op);
+void tree_reduce(Comm& c, const Coll& op);
+void tree_all_reduce(Comm& c, const Coll& op);
+// rd.cc: recursive doubling (small all_reduce) and the dissemination barrier
+void rd_all_reduce(Comm& c, const Coll& op);
+void dissemination_barrier(Comm& c, const Coll& op);
+// pairwise.cc: personalised exchanges
+void pairwise_all_to_all(Comm& c, const Coll& op);
+void linear_gather(Comm& c, const Coll& op);
+void linear_scatter(Comm& c, const Coll& op);
+// direct.cc: every rank on one host, payload copied through shared-memory slots
+void direct_collective(Comm& c, const Coll& op);
+bool direct_fits(const Comm& c, const Coll& op);
+// cma.cc: every rank on one host, single-copy reads of peers' buffers (process_vm_readv)
+void cma_all_reduce(Comm& c, const Coll& op);
+void cma_reduce_scatter(Comm& c, const Coll& op);
+void cma_all_gather(Comm& c, const Coll& op);
+void cma_broadcast(Comm& c, const Coll& op);
+bool cma_fits(const Comm& c, const Coll& op);
+
+using AlgorithmFn = void (*)(Comm&, const Coll&);
+struct Algorithm {
+  const char* name;
+  AlgorithmFn run;
+};
+// The algorithm for `op`: COMM_ALGO when it names one usable here, else by size and topology.
+// Every rank must choose the same one, so the choice depends only on the op's signature,
+// the group's topology and the environment.
+Algorithm choose_algorithm(const Comm& c, const Coll& op);
+
+}  // namespace comm

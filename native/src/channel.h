@@ -1,0 +1,80 @@
+// A channel moves framed messages (header + payload) to or from one peer. It knows no
+// collective: algorithms describe what to move as Transfers and Comm::run drives them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "common.h"
+
+namespace comm {
+
+constexpr uint32_t kWireMagic = 0x434f4d31;  // "COM1"
+
+// Sent before every payload, and written into every shared-memory slot: the receiver
+// checks it against the operation it is running, so ranks calling different collectives
+// (or sizes) fail with Mismatch instead of exchanging wrong data.
+struct WireHeader {
+  uint32_t magic = kWireMagic;
+  uint8_t kind = 0, dtype = 0, op = 0, flags = 0;
+  uint64_t seq = 0;    // collective sequence number, or per-(peer, tag) message number
+  uint64_t count = 0;  // element count of the operation's signature
+  int32_t root = 0;
+  int32_t tag = 0;
+  uint64_t len = 0;    // payload bytes that follow
+};
+static_assert(sizeof(WireHeader) == 40, "wire header layout");
+
+constexpr int kMaxStripes = 16;
+
+class Channel;
+
+// One message to send or receive. For a receive, `hdr` is what is expected; `got` is
+// filled from the wire and checked before any payload byte is accepted.
+struct Transfer {
+  enum class Check { FULL, NONE };
+  Channel* ch = nullptr;
+  bool is_send = false;
+  char* buf = nullptr;
+  size_t len = 0;
+  WireHeader hdr;
+  WireHeader got;
+  Check check = Check::FULL;
+  bool with_header = true;  // false: payload only (its header was received separately)
+  size_t hdr_done = 0;
+  size_t done = 0;                  // payload bytes moved in total
+  size_t part_done[kMaxStripes] = {};  // per-socket progress of a striped TCP payload
+
+  bool header_complete() const { return !with_header || hdr_done == sizeof(WireHeader); }
+  bool complete() const { return header_complete() && done == len; }
+};
+
+class Channel {
+ public:
+  explicit Channel(int peer) : peer_(peer) {}
+  virtual ~Channel() = default;
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+
+  int peer() const { return peer_; }
+  // Move as many bytes of `t` as possible without blocking; true if any moved.
+  // Throws CommError (PEER_FAILURE, MISMATCH) when the peer is gone or sent a wrong header.
+  virtual bool progress(Transfer& t) = 0;
+  // Whether progress(t) could move a byte now (checked before sleeping on a futex).
+  virtual bool ready(const Transfer& t) const = 0;
+  // Sockets to poll() while idle; empty for shared memory, which sleeps on a futex.
+  virtual const std::vector<int>& sockets() const = 0;
+  // Wake a peer blocked on us (abort): it sees the connection drop.
+  virtual void shutdown() {}
+
+ protected:
+  int peer_;
+};
+
+// Throws MISMATCH unless `got` (from `peer`) matches `expected`; with check NONE only the
+// magic is verified (the caller inspects the header itself).
+void check_header(const WireHeader& got, const WireHeader& expected, int peer,
+                  Transfer::Check check = Transfer::Check::FULL);
+
+}  // namespace comm

@@ -1,0 +1,184 @@
+#include "comm.h"
+
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+namespace comm {
+
+WireHeader Coll::header(size_t len) const {
+  WireHeader h;
+  h.kind = static_cast<uint8_t>(kind);
+  h.dtype = static_cast<uint8_t>(dtype);
+  h.op = static_cast<uint8_t>(op);
+  h.seq = seq;
+  h.count = count;
+  h.root = root;
+  h.len = len;
+  return h;
+}
+
+Comm::Comm(int rank_, int size_, Options opt_) : rank(rank_), size(size_), opt(std::move(opt_)), peers(size_) {
+}
+
+Comm::~Comm() { release(); }
+
+void Comm::release() {
+  for (Peer& p : peers) {
+    if (p.monitor_fd >= 0) close(p.monitor_fd);
+    p = Peer{};
+  }
+  shm.reset();
+}
+
+void Comm::set_local_ranks_known() {
+  // More local ranks than cores: a spinning rank steals the core of the rank it waits for.
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  if (shm && static_cast<unsigned>(shm->local_size()) > cores) {
+    spin_calls_ = 16;
+    // Peers are runnable but waiting for a core: yielding hands it to them; a futex
+    // sleep would add a wake-up on top of the wait for the core.
+    yield_for_ = std::chrono::milliseconds(10);
+  }
+}
+
+Transfer Comm::send_to(int peer, const void* buf, size_t len, const WireHeader& h) const {
+  Transfer t;
+  t.ch = peers[peer].coll.get();
+  t.is_send = true;
+  t.buf = const_cast<char*>(static_cast<const char*>(buf));
+  t.len = len;
+  t.hdr = h;
+  t.hdr.len = len;
+  return t;
+}
+
+Transfer Comm::recv_from(int peer, void* buf, size_t len, const WireHeader& h) const {
+  Transfer t = send_to(peer, buf, len, h);
+  t.is_send = false;
+  return t;
+}
+
+void Comm::sendrecv(int to, const void* sbuf, size_t slen, int from, void* rbuf, size_t rlen,
+                    const WireHeader& h) {
+  Transfer ts[2] = {send_to(to, sbuf, slen, h), recv_from(from, rbuf, rlen, h)};
+  run(ts, 2);
+}
+
+void Comm::run(Transfer* ts, size_t n) {
+  Backoff spins;
+  std::vector<pollfd> fds;
+  for (;;) {
+    bool moved = false, all_done = true;
+    for (size_t i = 0; i < n; i++) {
+      Transfer& t = ts[i];
+      if (t.complete()) continue;
+      all_done = false;
+      bool behind = false;  // an earlier transfer on the same stream must finish first
+      for (size_t j = 0; j < i && !behind; j++)
+        behind = ts[j].ch == t.ch && ts[j].is_send == t.is_send && !ts[j].complete();
+      if (!behind) moved |= t.ch->progress(t);
+    }
+    if (all_done) return;
+    if (moved) {
+      spins = Backoff{};
+      continue;
+    }
+    fds.clear();
+    bool shm_pending = false;
+    for (size_t i = 0; i < n; i++) {
+      if (ts[i].complete()) continue;
+      const auto& socks = ts[i].ch->sockets();
+      if (socks.empty()) shm_pending = true;
+      for (int fd : socks) fds.push_back({fd, static_cast<short>(ts[i].is_send ? POLLOUT : POLLIN), 0});
+    }
+    if (!fds.empty()) {
+      for (const Peer& p : peers)
+        if (p.monitor_fd >= 0 && !p.said_goodbye) fds.push_back({p.monitor_fd, POLLIN, 0});
+      if (shm_pending) fds.push_back({-1, 0, 0});  // marks "poll briefly": see sleep_fds
+    }
+    auto ready = [&] {
+      for (size_t i = 0; i < n; i++)
+        if (!ts[i].complete() && ts[i].ch->ready(ts[i])) return true;
+      return false;
+    };
+    idle(spins, ready, &fds);
+  }
+}
+
+void Comm::sleep_fds(const std::vector<pollfd>& fds, int ms) {
+  // A trailing {-1} entry means shared-memory transfers are pending too: they cannot wake
+  // poll(), so poll only briefly.
+  const bool brief = fds.back().fd < 0;
+  int rc = poll(const_cast<pollfd*>(fds.data()), fds.size() - (brief ? 1 : 0), brief ? std::min(ms, 1) : ms);
+  if (rc < 0 && errno != EINTR) fail_errno("poll");
+}
+
+void Comm::publish_round(uint64_t round) {
+  shm->seg(shm->me())->round.store(round, std::memory_order_release);
+  shm->wake_all_peers();
+}
+
+void Comm::wait_round(uint64_t round) {
+  for (int i = 0; i < shm->local_size(); i++) {
+    if (i == shm->me()) continue;
+    auto& their = shm->seg(i)->round;
+    Backoff spins;
+    auto reached = [&] { return their.load(std::memory_order_acquire) >= round; };
+    while (!reached()) idle(spins, reached);
+  }
+}
+
+char* Comm::scratch(int which, size_t bytes) {
+  if (scratch_.size() <= static_cast<size_t>(which)) scratch_.resize(which + 1);
+  Scratch& s = scratch_[which];
+  if (s.bytes < bytes) {
+    s.data.reset(new char[bytes]);  // uninitialised on purpose: it is always written first
+    s.bytes = bytes;
+  }
+  return s.data.get();
+}
+
+void Comm::check_alive() {
+  if (aborted.load(std::memory_order_relaxed))
+    fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  for (int r = 0; r < size; r++) {
+    Peer& p = peers[r];
+    if (p.monitor_fd < 0 || p.said_goodbye) continue;
+    pollfd pfd{p.monitor_fd, POLLIN | POLLRDHUP, 0};
+    if (poll(&pfd, 1, 0) <= 0) continue;
+    char c = 0;
+    ssize_t got = recv(p.monitor_fd, &c, 1, MSG_DONTWAIT);
+    if (got == 1 && c == 'B') {
+      p.said_goodbye = true;
+      continue;
+    }
+    if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    fail(ErrorCode::PEER_FAILURE, r,
+         "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
+  }
+  if (deadline.passed())
+    fail(ErrorCode::TIMEOUT, -1,
+         "timed out after " + std::to_string(opt.timeout_s) +
+             " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");
+}
+
+void Comm::abort() {
+  aborted.store(true);
+  if (shm) shm->interrupt();
+  // Peers blocked on us see the connections drop and fail instead of waiting out the timeout.
+  for (Peer& p : peers) {
+    if (p.coll) p.coll->shutdown();
+    if (p.p2p) p.p2p->shutdown();
+    if (p.monitor_fd >= 0) ::shutdown(p.monitor_fd, SHUT_RDWR);
+  }
+}
+
+void Comm::say_goodbye() {
+  for (Peer& p : peers)
+    if (p.monitor_fd >= 0) (void)!send(p.monitor_fd, "B", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+}  // namespace comm

@@ -1,0 +1,147 @@
+// The state one communicator's algorithms run against: who the peers are, how to reach
+// them, and the one waiting discipline every algorithm uses (spin, yield, then sleep on a
+// futex or poll), bounded by the operation's deadline, abort, and peer liveness.
+#pragma once
+
+#include <poll.h>
+#include <sched.h>
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "channel.h"
+#include "reduce.h"
+#include "shm.h"
+
+namespace comm {
+
+// Progress of one wait: reset it whenever something moved.
+struct Backoff {
+  int calls = 0;
+  Clock::time_point start;
+};
+
+struct Options {
+  double timeout_s = 300;
+  std::string algo;               // COMM_ALGO: forced algorithm name, empty = automatic
+  size_t chunk_bytes = 512 << 10; // pipelining unit of ring / tree
+  size_t direct_max_bytes = 16 << 10;  // largest per-rank payload of the slot (copy) path
+};
+
+struct Peer {
+  std::unique_ptr<Channel> coll;  // collective traffic
+  std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
+  int monitor_fd = -1;            // carries no data: readable means gone (or 'B'ye on close)
+  bool said_goodbye = false;
+};
+
+// One collective as the algorithms see it (pointers already resolved, op already mapped).
+struct Coll {
+  OpKind kind;
+  DType dtype;
+  ReduceOp op;        // as on the wire (for the header)
+  ReduceFn reduce;    // SUM kernel for AVG / PREMUL_SUM
+  const char* send;
+  char* recv;
+  size_t count;       // elements, per the contract's convention of `kind`
+  int root;
+  const std::vector<uint64_t>* send_counts;
+  const std::vector<uint64_t>* recv_counts;
+  uint64_t seq;
+  size_t elem;        // itemsize
+  WireHeader header(size_t len) const;
+};
+
+class Comm {
+ public:
+  Comm(int rank, int size, Options opt);
+  ~Comm();
+
+  const int rank;
+  const int size;
+  const Options opt;
+  std::vector<Peer> peers;
+  std::unique_ptr<ShmDomain> shm;  // null when no other rank shares this host (or tcp-only)
+  bool cma = false;                // every local rank can process_vm_readv every other
+  Deadline deadline;
+  std::atomic<bool> aborted{false};
+  uint64_t coll_seq = 0;
+
+  // True when every rank of the group is on this host (shared-memory-only algorithms).
+  bool all_local() const { return shm && shm->local_size() == size; }
+
+  // Drive the transfers until all complete. Transfers on the same channel and direction
+  // proceed in the order given (that order is the stream order on the wire).
+  void run(Transfer* ts, size_t n);
+  Transfer send_to(int peer, const void* buf, size_t len, const WireHeader& h) const;
+  Transfer recv_from(int peer, void* buf, size_t len, const WireHeader& h) const;
+  // Convenience: one send and one receive at once (ring steps, pairwise exchange).
+  void sendrecv(int to, const void* sbuf, size_t slen, int from, void* rbuf, size_t rlen,
+                const WireHeader& h);
+
+  // Direct (all-local) rounds: publish that this rank reached `round`, then wait until
+  // every local rank has. Round r uses publication slot r % 2 (see ALGORITHMS.md).
+  uint64_t begin_round() { return ++round_; }
+  void publish_round(uint64_t round);
+  void wait_round(uint64_t round);
+
+  // One step of the wait discipline: spin (the peer is running on another core), then
+  // sched_yield (give a core we share to whoever needs it), then sleep on the futex or
+  // poll(). The phases are timed from the start of the wait: a wake-up from a futex costs
+  // tens of microseconds on a busy machine, so sleeping only starts once the peer is
+  // clearly not about to answer. `ready` is re-checked right before sleeping so a wake-up
+  // cannot be lost; `fds` are polled instead of the futex when a socket is involved.
+  template <class Ready>
+  void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr) {
+    if (b.calls++ == 0) b.start = Clock::now();
+    if ((b.calls & 255) == 0) check_alive();
+    if (b.calls < spin_calls_) {
+      cpu_relax();
+      return;
+    }
+    const auto waited = Clock::now() - b.start;
+    if (waited < yield_for_) {
+      sched_yield();
+      return;
+    }
+    check_alive();
+    const int ms = deadline.ms_left(kSleepSliceMs);
+    if (fds && !fds->empty()) sleep_fds(*fds, ms);
+    else if (shm) shm->sleep(ready, ms);
+    else sched_yield();
+  }
+
+  // Scratch memory owned by the communicator, reused across operations.
+  char* scratch(int which, size_t bytes);
+
+  // Call once shm is set: picks the spin budget from local ranks vs cores.
+  void set_local_ranks_known();
+  void check_alive();  // throws PEER_FAILURE / ABORTED / TIMEOUT when waiting is pointless
+  void abort();
+  void say_goodbye();  // before a clean close: peers will not mistake it for a crash
+  void release();      // close every connection and unmap shared memory
+
+ private:
+  static constexpr int kSleepSliceMs = 20;  // abort and peer death are noticed this fast
+  static void cpu_relax() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+  void sleep_fds(const std::vector<pollfd>& fds, int ms);
+  // Spinning only pays when every local rank has a core; oversubscribed ranks yield at once.
+  int spin_calls_ = 2000;
+  Clock::duration yield_for_ = std::chrono::milliseconds(2);
+  uint64_t round_ = 0;
+  struct Scratch {
+    std::unique_ptr<char[]> data;
+    size_t bytes = 0;
+  };
+  std::vector<Scratch> scratch_;
+};
+
+}  // namespace comm

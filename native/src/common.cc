@@ -1,0 +1,35 @@
+#include "common.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace comm {
+
+size_t itemsize(DType t) {
+  static const size_t sizes[] = {2, 2, 4, 8, 1, 2, 4, 8, 1, 1};
+  return sizes[static_cast<int>(t)];
+}
+
+bool is_floating(DType t) { return t <= DType::F64; }
+
+const char* kind_name(OpKind k) {
+  static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
+                                "reduce", "gather", "scatter", "all_to_all", "send", "recv",
+                                "barrier"};
+  return names[static_cast<int>(k)];
+}
+
+void fail(ErrorCode code, int peer, std::string msg) { throw CommError(code, peer, std::move(msg)); }
+
+void fail_errno(const std::string& what) {
+  fail(ErrorCode::SYSTEM, -1, what + ": " + std::strerror(errno));
+}
+
+int Deadline::ms_left(int cap_ms) const {
+  if (at == Clock::time_point::max()) return cap_ms;
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(at - Clock::now()).count();
+  return static_cast<int>(std::clamp<long long>(left, 0, cap_ms));
+}
+
+}  // namespace comm

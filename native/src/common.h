@@ -1,0 +1,50 @@
+// Shared vocabulary of the engine: element types, operators, op kinds, errors, deadlines.
+// The enum values are the wire codes of comm/types.py and transports/base.py: never renumber.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <string>
+
+namespace comm {
+
+enum class DType : uint8_t { F16 = 0, BF16, F32, F64, I8, I16, I32, I64, U8, BOOL, COUNT };
+enum class ReduceOp : uint8_t { SUM = 0, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR, PREMUL_SUM, COUNT };
+enum class OpKind : uint8_t {
+  ALL_REDUCE = 0, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, GATHER, SCATTER,
+  ALL_TO_ALL, SEND, RECV, BARRIER, COUNT
+};
+
+size_t itemsize(DType t);
+bool is_floating(DType t);
+const char* kind_name(OpKind k);
+
+// Error codes mirrored by transports/native.py onto the comm.errors classes.
+enum class ErrorCode : int { TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM };
+
+// The one exception type the engine throws; the binding turns it into _native.NativeError.
+struct CommError : std::exception {
+  ErrorCode code;
+  int peer;  // the rank at fault, -1 when unknown
+  std::string msg;
+  CommError(ErrorCode c, int p, std::string m) : code(c), peer(p), msg(std::move(m)) {}
+  const char* what() const noexcept override { return msg.c_str(); }
+};
+
+[[noreturn]] void fail(ErrorCode code, int peer, std::string msg);
+// Throws SYSTEM with strerror(errno) appended.
+[[noreturn]] void fail_errno(const std::string& what);
+
+using Clock = std::chrono::steady_clock;
+
+// Absolute end of the current operation; every wait in the engine checks it.
+struct Deadline {
+  Clock::time_point at = Clock::time_point::max();
+  bool passed() const { return Clock::now() >= at; }
+  // Milliseconds left, clamped to [0, cap_ms].
+  int ms_left(int cap_ms) const;
+};
+
+}  // namespace comm

@@ -1,0 +1,214 @@
+#include "engine.h"
+
+#include <cstring>
+
+#include "algorithms.h"
+#include "tcp.h"
+
+namespace comm {
+
+void Op::finish(std::optional<CommError> error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = std::move(error);
+    done_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();
+}
+
+void Op::rethrow() const {
+  if (error_) throw *error_;
+}
+
+void Op::wait(double timeout_s) {
+  if (!test()) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto done = [&] { return done_.load(std::memory_order_acquire); };
+    if (timeout_s < 0) cv_.wait(lock, done);
+    else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done))
+      fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+  }
+  rethrow();
+}
+
+Engine::Engine(int rank, int size, std::vector<int> local_ranks, Options opt)
+    : comm_(rank, size, std::move(opt)) {
+  if (local_ranks.size() > 1) comm_.shm = std::make_unique<ShmDomain>(rank, std::move(local_ranks));
+  comm_.set_local_ranks_known();
+}
+
+Engine::~Engine() { close(); }
+
+void Engine::shm_create(const std::string& name) { comm_.shm->create(name); }
+void Engine::shm_attach(int rank, const std::string& name) { comm_.shm->attach(rank, name); }
+void Engine::shm_unlink() { comm_.shm->unlink(); }
+
+bool Engine::cma_probe() {
+  if (!comm_.shm) return false;
+  for (int i = 0; i < comm_.shm->local_size(); i++)
+    if (i != comm_.shm->me() && !comm_.shm->probe_cma(i)) return false;
+  return true;
+}
+
+void Engine::set_cma(bool everywhere) { comm_.cma = everywhere && comm_.shm; }
+
+void Engine::add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd) {
+  Peer& p = comm_.peers[peer];
+  p.monitor_fd = monitor_fd;
+  if (coll_fds.empty()) {
+    p.coll = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::COLL);
+    p.p2p = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::P2P);
+  } else {
+    p.coll = std::make_unique<TcpChannel>(peer, std::move(coll_fds));
+    p.p2p = std::make_unique<TcpChannel>(peer, std::vector<int>{p2p_fd});
+  }
+}
+
+void Engine::start() {
+  for (int r = 0; r < comm_.size; r++)
+    if (r != comm_.rank && !comm_.peers[r].coll)
+      fail(ErrorCode::SYSTEM, r, "no connection to rank " + std::to_string(r));
+  p2p_ = std::make_unique<P2P>(comm_);
+}
+
+std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (blocking && queue_.empty() && !busy_) {
+    busy_ = true;
+    lock.unlock();
+    Op op(std::move(args));
+    execute(op);
+    lock.lock();
+    busy_ = false;
+    lock.unlock();
+    cv_.notify_all();  // the progress thread may hold queued work; close() may be waiting
+    op.rethrow();
+    return nullptr;
+  }
+  auto op = std::make_shared<Op>(std::move(args));
+  queue_.push_back(op);
+  if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
+  cv_.notify_all();
+  return op;
+}
+
+void Engine::progress_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !busy_); });
+    if (stopping_) break;
+    auto op = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lock.unlock();
+    execute(*op);
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+  for (auto& op : queue_) op->finish(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
+  queue_.clear();
+}
+
+void Engine::execute(Op& op) {
+  std::optional<CommError> error;
+  if (broken_) {
+    error = *broken_;
+  } else if (comm_.aborted.load()) {
+    error = CommError(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  } else {
+    try {
+      comm_.deadline.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                             std::chrono::duration<double>(comm_.opt.timeout_s));
+      run(op.args);
+    } catch (const CommError& e) {
+      error = e;
+      // The streams are now in an unknown state: the communicator cannot be trusted again.
+      broken_ = CommError(e.code, e.peer, "an earlier operation failed: " + e.msg);
+    }
+  }
+  op.finish(std::move(error));
+}
+
+void Engine::run(const OpArgs& a) {
+  const size_t bytes = a.count * itemsize(a.dtype);
+  switch (a.kind) {
+    case OpKind::SEND:
+      p2p_->send(a.peer, a.tag, a.dtype, reinterpret_cast<const void*>(a.send), bytes);
+      break;
+    case OpKind::RECV:
+      p2p_->recv(a.peer, a.tag, a.dtype, reinterpret_cast<void*>(a.recv), bytes);
+      break;
+    default: run_collective(a);
+  }
+}
+
+// A group of one: every collective is a local copy.
+static void run_alone(const Coll& op) {
+  const size_t bytes = op.kind == OpKind::ALL_TO_ALL ? (*op.send_counts)[0] * op.elem : op.count * op.elem;
+  if (op.recv && op.send && op.recv != op.send && op.kind != OpKind::BARRIER)
+    std::memmove(op.recv, op.send, bytes);
+}
+
+void Engine::run_collective(const OpArgs& a) {
+  const int n = comm_.size;
+  Coll op{};
+  op.kind = a.kind;
+  op.dtype = a.dtype;
+  op.op = a.op;
+  op.reduce = reduce_fn(a.dtype, a.op);
+  op.send = reinterpret_cast<const char*>(a.send);
+  op.recv = reinterpret_cast<char*>(a.recv);
+  op.count = a.count;
+  op.root = a.root;
+  op.send_counts = &a.send_counts;
+  op.recv_counts = &a.recv_counts;
+  op.seq = ++comm_.coll_seq;
+  op.elem = itemsize(a.dtype);
+  if (op.kind == OpKind::BROADCAST) op.send = op.recv;
+  if (op.kind == OpKind::ALL_TO_ALL) op.count = 0;  // per-peer counts differ; lengths are checked
+  // Elements each rank contributes to a reduction (its whole input).
+  const size_t in_count = op.kind == OpKind::REDUCE_SCATTER ? n * op.count : op.count;
+  const bool reduces = op.kind == OpKind::ALL_REDUCE || op.kind == OpKind::REDUCE_SCATTER ||
+                       op.kind == OpKind::REDUCE;
+  if (reduces && a.op == ReduceOp::PREMUL_SUM) {
+    // Each rank's factor may differ, so scale the local input before anything is sent.
+    char* scaled = comm_.scratch(3, in_count * op.elem);
+    scale_fn(a.dtype)(scaled, op.send, in_count, a.scale);
+    op.send = scaled;
+  }
+  if (n == 1) {
+    run_alone(op);
+    last_algorithm_ = "local";
+  } else {
+    const Algorithm algo = choose_algorithm(comm_, op);
+    last_algorithm_ = algo.name;
+    algo.run(comm_, op);
+  }
+  const bool has_result = op.kind != OpKind::REDUCE || comm_.rank == op.root;
+  if (reduces && a.op == ReduceOp::AVG && has_result)
+    scale_fn(a.dtype)(op.recv, op.recv, op.count, 1.0 / n);
+}
+
+void Engine::abort() {
+  comm_.abort();
+}
+
+void Engine::close() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (closed_) return;
+    closed_ = true;
+    // An operation running on a caller's thread still uses the connections.
+    cv_.wait(lock, [&] { return !busy_; });
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+  if (!comm_.aborted.load()) comm_.say_goodbye();
+  p2p_.reset();
+  comm_.release();
+}
+
+}  // namespace comm

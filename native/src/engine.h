@@ -1,0 +1,92 @@
+// One communicator of the engine: owns the Comm, runs operations in posting order.
+// A blocking call on an idle engine runs on the caller's thread (no hand-off on the
+// latency path); anything else is queued for the progress thread.
+#pragma once
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "comm.h"
+#include "p2p.h"
+
+namespace comm {
+
+struct OpArgs {
+  OpKind kind;
+  DType dtype;
+  ReduceOp op;
+  double scale;
+  uintptr_t send;
+  uintptr_t recv;
+  uint64_t count;
+  int root;
+  int peer;
+  int tag;
+  std::vector<uint64_t> send_counts;
+  std::vector<uint64_t> recv_counts;
+};
+
+// A posted operation; shared by the engine and the Python request object.
+class Op {
+ public:
+  explicit Op(OpArgs a) : args(std::move(a)) {}
+  const OpArgs args;
+  bool test() const { return done_.load(std::memory_order_acquire); }
+  // Waits up to timeout_s (< 0: no limit); throws the op's error, or TIMEOUT.
+  void wait(double timeout_s);
+  void finish(std::optional<CommError> error);
+  void rethrow() const;
+
+ private:
+  std::atomic<bool> done_{false};
+  std::optional<CommError> error_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+class Engine {
+ public:
+  Engine(int rank, int size, std::vector<int> local_ranks, Options opt);
+  ~Engine();
+
+  // Bootstrap, driven by transports/native.py in this order.
+  void shm_create(const std::string& name);
+  void shm_attach(int rank, const std::string& name);
+  void shm_unlink();
+  bool cma_probe();              // can this rank read every local peer's memory?
+  void set_cma(bool everywhere); // the AND of every rank's probe: all must choose alike
+  // coll_fds empty: the peer is on this host and uses shared memory.
+  void add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd);
+  void start();
+
+  // Returns null when the op ran to completion on this thread (errors are thrown).
+  std::shared_ptr<Op> post(OpArgs args, bool blocking);
+  void abort();
+  void close();
+  const char* last_algorithm() const { return last_algorithm_; }
+
+ private:
+  void execute(Op& op);
+  void run(const OpArgs& a);
+  void run_collective(const OpArgs& a);
+  void progress_loop();
+
+  Comm comm_;
+  std::unique_ptr<P2P> p2p_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Op>> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  bool closed_ = false;
+  std::optional<CommError> broken_;  // first failure: every later op fails with it
+  std::thread thread_;
+  const char* last_algorithm_ = "";
+};
+
+}  // namespace comm

@@ -1,0 +1,58 @@
+// Personalised exchanges. all_to_all: n-1 steps, in step s rank r sends to r+s and receives
+// from r-s, so every rank sends and receives exactly once per step (no hot spot).
+// gather / scatter: the root talks to every rank at once.
+#include <cstring>
+#include <numeric>
+
+#include "algorithms.h"
+#include "topology.h"
+
+namespace comm {
+
+void pairwise_all_to_all(Comm& c, const Coll& op) {
+  const int n = c.size, r = c.rank;
+  std::vector<size_t> sdisp(n + 1, 0), rdisp(n + 1, 0);
+  for (int i = 0; i < n; i++) {
+    sdisp[i + 1] = sdisp[i] + (*op.send_counts)[i] * op.elem;
+    rdisp[i + 1] = rdisp[i] + (*op.recv_counts)[i] * op.elem;
+  }
+  std::memmove(op.recv + rdisp[r], op.send + sdisp[r], sdisp[r + 1] - sdisp[r]);
+  const WireHeader h = op.header(0);
+  for (int s = 1; s < n; s++) {
+    const int to = mod(r + s, n), from = mod(r - s, n);
+    c.sendrecv(to, op.send + sdisp[to], sdisp[to + 1] - sdisp[to], from, op.recv + rdisp[from],
+               rdisp[from + 1] - rdisp[from], h);
+  }
+}
+
+void linear_gather(Comm& c, const Coll& op) {
+  const size_t bytes = op.count * op.elem;
+  const WireHeader h = op.header(0);
+  if (c.rank != op.root) {
+    Transfer t = c.send_to(op.root, op.send, bytes, h);
+    c.run(&t, 1);
+    return;
+  }
+  std::memmove(op.recv + c.rank * bytes, op.send, bytes);
+  std::vector<Transfer> ts;
+  for (int p = 0; p < c.size; p++)
+    if (p != c.rank) ts.push_back(c.recv_from(p, op.recv + p * bytes, bytes, h));
+  c.run(ts.data(), ts.size());
+}
+
+void linear_scatter(Comm& c, const Coll& op) {
+  const size_t bytes = op.count * op.elem;
+  const WireHeader h = op.header(0);
+  if (c.rank != op.root) {
+    Transfer t = c.recv_from(op.root, op.recv, bytes, h);
+    c.run(&t, 1);
+    return;
+  }
+  std::memmove(op.recv, op.send + c.rank * bytes, bytes);
+  std::vector<Transfer> ts;
+  for (int p = 0; p < c.size; p++)
+    if (p != c.rank) ts.push_back(c.send_to(p, op.send + p * bytes, bytes, h));
+  c.run(ts.data(), ts.size());
+}
+
+}  // namespace comm

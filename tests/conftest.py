@@ -1,0 +1,22 @@
+"""Shared fixtures: persistent rank clusters, reused across tests and rebuilt after a failure."""
+import pytest
+
+from harness import Cluster
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    clusters: dict = {}
+
+    def get(n: int, transport: str = "native", launcher: str = "spawn", env: dict | None = None):
+        key = (n, transport, launcher, tuple(sorted((env or {}).items())))
+        c = clusters.get(key)
+        if c is None or c.broken:
+            if c is not None:
+                c.close()
+            c = clusters[key] = Cluster(n, transport, launcher=launcher, env=env)
+        return c
+
+    yield get
+    for c in clusters.values():
+        c.close()

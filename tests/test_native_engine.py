@@ -1,0 +1,177 @@
+"""Engine behaviour beyond results: 64-bit sizes, async overlap, oversubscription, failures,
+and shared-memory hygiene."""
+import glob
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import comm
+from harness import Cluster, run_ranks
+
+
+def _all_reduce_3gib(world):
+    n = 3 << 30
+    x = np.empty(n, np.uint8)
+    x[:] = world.rank + 1
+    x[-1] = 7 * world.rank
+    world.all_reduce(x)
+    want = sum(range(1, world.size + 1))
+    return bool((x[:: 1 << 20] == want).all() and x[n // 2 + 12345] == want and
+                x[-2] == want and x[-1] == 7 * sum(range(world.size))), world._transport.last_algorithm
+
+
+def test_three_gib_buffer():
+    """Byte counts past 2**31 and 2**32 stay exact (uint8 SUM keeps it quick)."""
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if avail < 8 << 30:
+        pytest.skip(f"needs 8 GiB of free memory, {avail >> 30} GiB available")
+    results = run_ranks(_all_reduce_3gib, 2, timeout=300)
+    assert all(ok for ok, _ in results), results
+
+
+def _overlap(world):
+    x = np.ones(16 << 20, np.float32)
+    start = time.perf_counter()
+    work = world.all_reduce(x, async_op=True)
+    posted = time.perf_counter() - start
+    busy = 0
+    while not work.is_completed():
+        busy += 1  # Python keeps running while the engine works
+    work.wait()
+    # A blocking op posted after async ones runs after them (in order).
+    y = np.full(10, world.rank, np.float32)
+    works = [world.all_reduce(np.ones(1000, np.float32), async_op=True) for _ in range(5)]
+    world.all_reduce(y)
+    for w in works:
+        assert w.is_completed()
+    return posted, busy, float(x[0]), float(y[0])
+
+
+def test_async_overlaps_python(cluster):
+    results = cluster(2).run(_overlap)
+    for posted, busy, x0, y0 in results:
+        assert posted < 0.05, f"posting took {posted:.3f} s: async_op must return at once"
+        assert busy > 0, "the async op completed before Python ran again"
+        assert x0 == 2.0 and y0 == 1.0
+
+
+def _latency_loop(world, iters):
+    x = np.ones(2, np.float32)
+    big = np.ones(1 << 18, np.float32)
+    start = time.perf_counter()
+    for _ in range(iters):
+        world.all_reduce(x)
+    world.all_reduce(big)
+    world.barrier()
+    return (time.perf_counter() - start) / iters, float(big[0])
+
+
+def test_eight_ranks_on_two_cores():
+    """Oversubscribed ranks must sleep, not spin: 8 ranks on this machine still progress."""
+    results = run_ranks(_latency_loop, 8, 300, timeout=180)
+    for per_op, big0 in results:
+        assert big0 == 8.0
+        assert per_op < 0.01, f"{per_op * 1e6:.0f} us per 8-byte all_reduce with 8 ranks"
+
+
+def _no_segments_left(world):
+    return sorted(glob.glob("/dev/shm/comm-*"))
+
+
+def test_shared_memory_unlinked_after_setup(cluster):
+    """Segments are unlinked as soon as every local peer mapped them: a crash leaks nothing."""
+    assert cluster(3).run(_no_segments_left) == [[], [], []]
+
+
+def _die_or_all_reduce(world):
+    if world.rank == world.size - 1:
+        os._exit(3)
+    time.sleep(0.5)
+    try:
+        world.all_reduce(np.ones(1 << 16, np.float32))
+    except comm.PeerFailure as e:
+        return "PeerFailure", e.peer, str(e)
+    return "no error", None, ""
+
+
+@pytest.mark.parametrize("channels", ["auto", "tcp"])
+def test_dead_peer_named_on_every_rank(channels):
+    c = Cluster(3, env={"COMM_CHANNELS": channels, "COMM_TIMEOUT": "30"})
+    try:
+        c.submit(_die_or_all_reduce)
+        out = c.collect([0, 1], timeout=60)
+    finally:
+        c.close()
+    for rank, (ok, value, waited) in out.items():
+        assert ok, value
+        kind, peer, msg = value
+        assert kind == "PeerFailure" and peer == 2, (rank, value)
+        assert waited < 15, f"rank {rank} needed {waited:.1f} s to notice the dead peer"
+
+
+def _one_rank_late(world, late_s):
+    start = time.perf_counter()
+    try:
+        if world.rank == 1:
+            time.sleep(late_s)
+        world.all_reduce(np.ones(10, np.float32))
+    except comm.CommTimeout as e:
+        return "CommTimeout", time.perf_counter() - start, str(e)
+    except comm.CommError as e:
+        return type(e).__name__, time.perf_counter() - start, str(e)
+    return "ok", time.perf_counter() - start, ""
+
+
+def test_timeout_bounds_every_wait():
+    results = run_ranks(_one_rank_late, 2, 4.0, env={"COMM_TIMEOUT": "1.5"}, timeout=60, expect_errors=True)
+    kind, took, msg = results[0]
+    assert kind == "CommTimeout" and 1.4 < took < 4, results[0]
+    assert "[rank 0] all_reduce" in msg
+
+
+def _abort_from_thread(world):
+    if world.rank == 1:
+        time.sleep(3)
+        return "idle", 0.0
+    errors = []
+
+    def blocked():
+        try:
+            world.all_reduce(np.ones(10, np.float32))
+        except comm.CommError as e:
+            errors.append(type(e).__name__)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.3)
+    start = time.perf_counter()
+    world.abort()
+    t.join(5)
+    return (errors[0] if errors else "still blocked"), time.perf_counter() - start
+
+
+def test_abort_unblocks_a_waiting_thread():
+    results = run_ranks(_abort_from_thread, 2, timeout=60, expect_errors=True)
+    kind, took = results[0]
+    assert kind == "Aborted" and took < 1.0, results[0]
+
+
+def _mismatched_counts(world, channels):
+    try:
+        world.all_reduce(np.ones(10 + world.rank, np.float32))
+    except comm.Mismatch as e:
+        return "Mismatch", str(e)
+    except comm.CommError as e:
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+@pytest.mark.parametrize("channels", ["auto", "tcp"])
+def test_mismatched_collectives_fail_not_corrupt(channels):
+    results = run_ranks(_mismatched_counts, 2, channels, env={"COMM_CHANNELS": channels, "COMM_TIMEOUT": "5"},
+                        timeout=60, expect_errors=True)
+    assert any(kind == "Mismatch" for kind, _ in results), results
+    assert all(kind != "ok" for kind, _ in results), results

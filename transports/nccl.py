@@ -1,0 +1,340 @@
+"""NCCL transport: NVIDIA's collectives on CUDA buffers, through nccl4py's low-level bindings.
+
+Install with the `nccl` extra (nccl4py[cu12] brings the nvidia-nccl wheel and cuda-bindings).
+One communicator per process, on CUDA device = the rank's local rank (ranks that share a
+host_id, counted in rank order). Every operation is enqueued on the caller's current CUDA
+stream (torch.cuda.current_stream() when torch is loaded, else the legacy default stream)
+and completes through a CUDA event recorded after it, so `async_op=True` never blocks the host.
+
+Semantics that differ from the other transports, on purpose:
+- Tags: NCCL matches send/recv per peer in posting order and has no tags, so only tag 0 is
+  accepted; a non-zero tag is refused with InvalidArgument rather than silently mismatched.
+- int16 and the bitwise ops (BAND/BOR/BXOR on integers) have no NCCL equivalent: refused with
+  InvalidArgument. Bool reduces as uint8 with MAX (or) / MIN (and); BXOR on bool is refused.
+- Data movement (gather, scatter, all_gather, broadcast, all_to_all, send/recv) moves bytes, so
+  every dtype works there.
+- fp8: NCCL has float8 e4m3 / e5m2 (codes 10 / 11, sm90+), but comm.DType has no fp8 member,
+  so fp8 tensors are refused by comm.buffers before they reach this module.
+"""
+from __future__ import annotations
+
+import struct
+import sys
+import time
+
+import numpy as np
+
+from comm.buffers import Buffer
+from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
+                         TransportUnavailable)
+from comm.types import DType, ReduceOp
+
+from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, register
+
+try:  # optional: the `nccl` extra
+    from cuda.bindings import runtime as _cudart
+    from nccl.bindings import nccl as _nccl
+    _IMPORT_ERROR: str | None = None
+except ImportError as e:
+    _cudart = _nccl = None
+    _IMPORT_ERROR = f"nccl4py is not installed ({e.name} missing); pip install 'nccl4py[cu12]' (the nccl extra)"
+
+# ncclDataType_t codes (nccl.h; stable C ABI). NCCL has no int16; bool travels as uint8.
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_DTYPE: dict[DType, int] = {
+    DType.INT8: NCCL_INT8, DType.UINT8: NCCL_UINT8, DType.BOOL: NCCL_UINT8,
+    DType.INT32: NCCL_INT32, DType.INT64: NCCL_INT64, DType.FLOAT16: NCCL_FLOAT16,
+    DType.FLOAT32: NCCL_FLOAT32, DType.FLOAT64: NCCL_FLOAT64, DType.BFLOAT16: NCCL_BFLOAT16,
+}
+
+# ncclRedOp_t codes. PREMUL_SUM has no fixed code: ncclRedOpCreatePreMulSum makes one per call.
+NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
+NCCL_OP: dict[ReduceOp, int] = {ReduceOp.SUM: NCCL_SUM, ReduceOp.PRODUCT: NCCL_PROD,
+                                ReduceOp.MAX: NCCL_MAX, ReduceOp.MIN: NCCL_MIN, ReduceOp.AVG: NCCL_AVG}
+# On 0/1 bytes, or = max and and = min (a uint8 sum of two `True`s would give 2, not 1).
+_BOOL_OP = {ReduceOp.SUM: NCCL_MAX, ReduceOp.MAX: NCCL_MAX, ReduceOp.BOR: NCCL_MAX,
+            ReduceOp.PRODUCT: NCCL_MIN, ReduceOp.MIN: NCCL_MIN, ReduceOp.BAND: NCCL_MIN}
+
+_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR, _RESULT_IN_PROGRESS = 6, 2, 7
+_SCALAR_HOST_IMMEDIATE = 1   # ncclScalarHostImmediate: the factor is read before create returns
+_NOCOLOR = -1                # NCCL_SPLIT_NOCOLOR
+
+
+def reduction_types(dtype: DType, op: ReduceOp) -> tuple[int, int | None]:
+    """(ncclDataType, ncclRedOp) for reducing `dtype` with `op`; the op is None for PREMUL_SUM,
+    which is created per call. InvalidArgument when NCCL cannot do it."""
+    if dtype is DType.BOOL:
+        if op not in _BOOL_OP:
+            raise InvalidArgument(f"NCCL cannot reduce bool with {op.name}")
+        return NCCL_UINT8, _BOOL_OP[op]
+    if dtype not in NCCL_DTYPE:
+        raise InvalidArgument(f"NCCL has no {dtype.name.lower()} type for reductions; "
+                              "use int32 or another transport")
+    if op is ReduceOp.PREMUL_SUM:
+        return NCCL_DTYPE[dtype], None
+    if op not in NCCL_OP:
+        raise InvalidArgument(f"NCCL has no {op.name} reduction; use another transport")
+    return NCCL_DTYPE[dtype], NCCL_OP[op]
+
+
+def premul_scalar(dtype: DType, factor: float) -> np.ndarray:
+    """The PREMUL_SUM factor as one element of the reduction's type (NCCL reads it as such)."""
+    if dtype is DType.BFLOAT16:  # no numpy bfloat16: round float32 to its top 16 bits
+        from comm.algorithms.reduce import f32_to_bf16
+        return f32_to_bf16(np.array([factor], np.float32))
+    return np.array([factor], dtype.numpy_storage)
+
+
+def _cuda_check(result, what: str):
+    err, *rest = result
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise CommError(f"{what} failed: {_cudart.cudaGetErrorName(err)[1].decode()}")
+    return rest[0] if rest else None
+
+
+def _current_stream(device: int) -> int:
+    """The caller's current stream: torch's when torch is loaded, else the default stream (0).
+    torch is never imported here: a process without it uses the default stream."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+class NcclRequest(Request):
+    """An enqueued NCCL call, complete when the CUDA event recorded after it has fired."""
+
+    __slots__ = ("_transport", "_event", "_keep")
+
+    def __init__(self, transport: "NcclTransport", event, keep):
+        self._transport = transport
+        self._event = event
+        self._keep = keep  # the buffers' arrays stay alive until the GPU is done with them
+
+    def test(self) -> bool:
+        if self._event is None:
+            return True
+        self._transport._check()
+        err, = _cudart.cudaEventQuery(self._event)
+        if err == _cudart.cudaError_t.cudaErrorNotReady:
+            return False
+        _cudart.cudaEventDestroy(self._event)
+        self._event, self._keep = None, None
+        if err != _cudart.cudaError_t.cudaSuccess:
+            raise CommError(f"CUDA reported {_cudart.cudaGetErrorName(err)[1].decode()} for an NCCL call")
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.0
+        while not self.test():
+            if deadline is not None and time.monotonic() >= deadline:
+                # A kernel waiting on a dead or hung peer never finishes: abort so the GPU and
+                # the stream are freed; the communicator is poisoned by the timeout anyway.
+                self._transport._fail_abort()
+                raise CommTimeout(f"NCCL operation not completed within {timeout:g} s (a peer is "
+                                  "slow, hung, dead, or called a different collective)")
+            time.sleep(pause)
+            pause = min(pause * 2 or 1e-5, 1e-3)
+
+
+@register
+class NcclTransport(Transport):
+    name = "nccl"
+    devices = frozenset({"cuda"})
+
+    @classmethod
+    def available(cls) -> str | None:
+        if _IMPORT_ERROR is not None:
+            return _IMPORT_ERROR
+        err, n = _cudart.cudaGetDeviceCount()
+        if err != _cudart.cudaError_t.cudaSuccess or n == 0:
+            why = "" if err == _cudart.cudaError_t.cudaSuccess else \
+                f" ({_cudart.cudaGetErrorName(err)[1].decode()})"
+            return f"no CUDA device{why}"
+        return None
+
+    def __init__(self, ctx: BootstrapContext, comm, device: int):
+        self.rank, self.size = ctx.rank, ctx.size
+        self._ctx = ctx
+        self._comm = comm
+        self._device = device
+        self._aborted = False
+        self._closed = False
+        self._splits = 0
+        self._scratch = _cuda_check(_cudart.cudaMalloc(4), "cudaMalloc")  # barrier's all-reduce
+
+    @classmethod
+    def create(cls, ctx: BootstrapContext) -> "NcclTransport":
+        reason = cls.available()
+        if reason is not None:
+            raise TransportUnavailable(reason, rank=ctx.rank, op="init")
+        device = cls._local_device(ctx)
+        uid = _nccl.get_unique_id() if ctx.rank == 0 else None
+        if ctx.rank == 0:
+            ctx.store.set("nccl/uid", bytes(uid))
+        else:
+            uid = _nccl.UniqueId.from_buffer(ctx.store.get("nccl/uid"))
+        _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
+        comm = cls._nccl_call(lambda: _nccl.comm_init_rank(ctx.size, uid, ctx.rank), ctx.rank, "init")
+        return cls(ctx, comm, device)
+
+    @staticmethod
+    def _local_device(ctx: BootstrapContext) -> int:
+        """CUDA device = local rank: the ranks before us with our host_id."""
+        hosts = ctx.store.all_gather("nccl/host", ctx.host_id.encode())
+        local = sum(1 for h in hosts[:ctx.rank] if h == ctx.host_id.encode())
+        count = _cuda_check(_cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
+        if local >= count:
+            raise TransportUnavailable(f"local rank {local} needs CUDA device {local}, but this host "
+                                       f"has {count}; NCCL needs one GPU per rank", rank=ctx.rank, op="init")
+        return local
+
+    @staticmethod
+    def _nccl_call(fn, rank: int | None, op: str):
+        try:
+            return fn()
+        except _nccl.NCCLError as e:
+            cls = PeerFailure if e.status in (_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR) else CommError
+            raise cls(f"NCCL: {e}", rank=rank, op=op) from None
+
+    # ---- failure detection ---------------------------------------------------------------
+    def _check(self) -> None:
+        """Raise if the communicator was aborted, closed, or NCCL reports an asynchronous error."""
+        if self._aborted:
+            raise Aborted("the NCCL communicator was aborted")
+        if self._closed:
+            raise Closed("the NCCL communicator is closed")
+        state = _nccl.comm_get_async_error(self._comm)
+        if state in (0, _RESULT_IN_PROGRESS):
+            return
+        detail = _nccl.get_last_error(self._comm) or _nccl.get_error_string(state)
+        self._fail_abort()
+        if state in (_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR):
+            raise PeerFailure(f"NCCL lost a peer: {detail}")
+        raise CommError(f"NCCL failed: {detail}")
+
+    def _fail_abort(self) -> None:
+        if not self._aborted and not self._closed:
+            self.abort()
+
+    # ---- operations ------------------------------------------------------------------------
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        self._check()
+        if desc.kind in (OpKind.SEND, OpKind.RECV) and desc.tag != 0:
+            raise InvalidArgument(f"tag {desc.tag}: NCCL has no tags (it matches messages per peer in "
+                                  "posting order); use tag=0, or the native/verbs transport")
+        _cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
+        stream = _current_stream(self._device)
+        keep, premul_ops = [desc.send, desc.recv], []
+        try:
+            self._nccl_call(lambda: self._enqueue(desc, stream, premul_ops), None, None)
+        finally:
+            for op in premul_ops:  # NCCL allows this once the call that uses the op returned
+                _nccl.red_op_destroy(op, self._comm)
+        event = _cuda_check(_cudart.cudaEventCreateWithFlags(_cudart.cudaEventDisableTiming),
+                            "cudaEventCreate")
+        _cuda_check(_cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+        return NcclRequest(self, event, keep)
+
+    def _enqueue(self, d: OpDesc, stream: int, premul_ops: list) -> None:
+        c, k = self._comm, d.kind
+        if k is OpKind.ALL_REDUCE:
+            dt, op = self._reduction(d, premul_ops)
+            _nccl.all_reduce(d.send.ptr, d.recv.ptr, d.count, dt, op, c, stream)
+        elif k is OpKind.REDUCE_SCATTER:
+            dt, op = self._reduction(d, premul_ops)
+            _nccl.reduce_scatter(d.send.ptr, d.recv.ptr, d.count, dt, op, c, stream)
+        elif k is OpKind.REDUCE:
+            dt, op = self._reduction(d, premul_ops)
+            recv = d.recv.ptr if d.recv is not None else 0   # only read on the root
+            _nccl.reduce(d.send.ptr, recv, d.count, dt, op, d.root, c, stream)
+        elif k is OpKind.ALL_GATHER:
+            _nccl.all_gather(d.send.ptr, d.recv.ptr, d.send.nbytes, NCCL_UINT8, c, stream)
+        elif k is OpKind.BROADCAST:
+            _nccl.broadcast(d.send.ptr, d.recv.ptr, d.send.nbytes, NCCL_UINT8, d.root, c, stream)
+        elif k is OpKind.BARRIER:
+            _nccl.all_reduce(self._scratch, self._scratch, 1, NCCL_FLOAT32, NCCL_SUM, c, stream)
+        elif k is OpKind.SEND:
+            _nccl.send(d.send.ptr, d.send.nbytes, NCCL_UINT8, d.peer, c, stream)
+        elif k is OpKind.RECV:
+            _nccl.recv(d.recv.ptr, d.recv.nbytes, NCCL_UINT8, d.peer, c, stream)
+        else:  # GATHER, SCATTER, ALL_TO_ALL: grouped point-to-point, every NCCL version has it
+            self._grouped(d, stream)
+
+    def _reduction(self, d: OpDesc, premul_ops: list) -> tuple[int, int]:
+        try:
+            dt, op = reduction_types(d.dtype, d.op)
+        except InvalidArgument as e:
+            raise InvalidArgument(e.cause, rank=self.rank, op=d.kind.label) from None
+        if op is None:
+            scalar = premul_scalar(d.dtype, d.scale)
+            op = _nccl.red_op_create_pre_mul_sum(scalar.ctypes.data, dt, _SCALAR_HOST_IMMEDIATE, self._comm)
+            premul_ops.append(op)  # host-immediate: NCCL copied the factor during create
+        return dt, op
+
+    def _grouped(self, d: OpDesc, stream: int) -> None:
+        """gather / scatter / all_to_all(v) as one group of byte sends and receives (self included)."""
+        n, item = self.size, d.dtype.itemsize
+        if d.kind is OpKind.ALL_TO_ALL:
+            sends, recvs = self._blocks(d.send, d.send_counts), self._blocks(d.recv, d.recv_counts)
+        elif d.kind is OpKind.GATHER:
+            sends = {d.root: (d.send.ptr, d.send.nbytes)}
+            recvs = self._blocks(d.recv, (d.count,) * n) if self.rank == d.root else {}
+        else:  # SCATTER
+            sends = self._blocks(d.send, (d.count,) * n) if self.rank == d.root else {}
+            recvs = {d.root: (d.recv.ptr, d.count * item)}
+        _nccl.group_start()
+        try:
+            for peer, (ptr, nbytes) in sends.items():
+                if nbytes:  # both sides skip empty blocks: send_counts[j] at i == recv_counts[i] at j
+                    _nccl.send(ptr, nbytes, NCCL_UINT8, peer, self._comm, stream)
+            for peer, (ptr, nbytes) in recvs.items():
+                if nbytes:
+                    _nccl.recv(ptr, nbytes, NCCL_UINT8, peer, self._comm, stream)
+        finally:
+            _nccl.group_end()
+
+    @staticmethod
+    def _blocks(buf: Buffer, counts) -> dict[int, tuple[int, int]]:
+        """Per-rank (pointer, bytes) of a buffer packed in rank order."""
+        out, offset = {}, 0
+        for peer, count in enumerate(counts):
+            out[peer] = (buf.ptr + offset * buf.dtype.itemsize, count * buf.dtype.itemsize)
+            offset += count
+        return out
+
+    # ---- groups and lifetime ---------------------------------------------------------------
+    def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "NcclTransport | None":
+        """ncclCommSplit: reuses the parent's connections. It is collective over the parent, so
+        every parent rank must call it; a rank that joins no group passes ctx=None (NOCOLOR).
+        A parent all-gather of the colours first turns a missing rank into CommTimeout, not a
+        hang inside NCCL."""
+        self._check()
+        self._splits += 1
+        self._ctx.store.all_gather(f"nccl/split{self._splits}", struct.pack("!q", color))
+        joined = ctx is not None and color >= 0
+        _cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
+        comm = self._nccl_call(lambda: _nccl.comm_split(self._comm, color if joined else _NOCOLOR, key, 0),
+                               self.rank, "split")
+        return type(self)(ctx, comm, self._device) if joined else None
+
+    def abort(self) -> None:
+        """ncclCommAbort: kills the kernels still running on this communicator; any thread."""
+        if self._aborted or self._closed:
+            return
+        self._aborted = True
+        _nccl.comm_abort(self._comm)
+        _cudart.cudaFree(self._scratch)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        if not self._aborted:
+            # finalize flushes outstanding work; after a failure only abort is safe (no peers).
+            _nccl.comm_finalize(self._comm)
+            _nccl.comm_destroy(self._comm)
+            _cudart.cudaFree(self._scratch)
+        self._closed = True
+

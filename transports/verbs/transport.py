@@ -1,0 +1,144 @@
+"""VerbsTransport: point-to-point over the engine, collectives from comm.algorithms.
+
+send/recv go straight to the engine, zero copy, from host or GPU memory (GPUDirect RDMA).
+Collectives run on the transport's progress thread through comm.algorithms.run, whose
+reductions are numpy code: CUDA buffers of a collective are therefore staged through host
+memory (copied down, reduced on the CPU, copied back). Only send/recv are GPUDirect.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from comm import config
+from comm.algorithms import run as run_collective
+from comm.buffers import Buffer
+from comm.errors import CommError, TransportUnavailable
+
+from ..base import BootstrapContext, OpDesc, OpKind, ProgressThread, Request, Transport, register
+from . import device as dev
+from .engine import Engine, Message
+from .wire import WireError
+
+
+class MessageRequest(Request):
+    __slots__ = ("_engine", "_msg")
+
+    def __init__(self, engine: Engine, msg: Message):
+        self._engine, self._msg = engine, msg
+
+    def test(self) -> bool:
+        return self._engine.test(self._msg)
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._engine.wait([self._msg], timeout)
+
+
+def _port() -> dev.Port:
+    return dev.find_port(config.get("COMM_VERBS_DEVICE"), config.get("COMM_VERBS_GID_INDEX"))
+
+
+@register
+class VerbsTransport(Transport):
+    name = "verbs"
+    devices = frozenset({"cpu", "cuda"})
+
+    @classmethod
+    def available(cls) -> str | None:
+        try:
+            _port()
+        except TransportUnavailable as e:
+            return e.cause
+        return None
+
+    def __init__(self, ctx: BootstrapContext, engine: Engine):
+        self.rank, self.size = ctx.rank, ctx.size
+        self._engine = engine
+        self._timeout = ctx.timeout
+        self._thread = ProgressThread(f"comm-verbs-{ctx.group_name}")
+        self._closed = False
+
+    @classmethod
+    def create(cls, ctx: BootstrapContext) -> "VerbsTransport":
+        try:
+            port = _port()
+        except TransportUnavailable as e:
+            raise e.locate(ctx.rank, "init") from None
+        try:
+            engine = Engine(ctx.rank, ctx.size, port, ctx.timeout)
+        except dev.pv.pyverbs_error.PyverbsError as e:
+            raise CommError(f"cannot open {port.device}:{port.port}: {e}", rank=ctx.rank, op="init") from None
+        try:
+            records = ctx.store.all_gather("verbs/addr", engine.address())
+            engine.connect(records)
+            ctx.store.barrier("verbs/ready")   # every QP is ready to receive before anyone writes
+        except WireError as e:
+            engine.close()
+            raise CommError(f"bad verbs address record: {e}", rank=ctx.rank, op="init") from None
+        except BaseException:
+            engine.close()
+            raise
+        return cls(ctx, engine)
+
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        if desc.kind is OpKind.SEND:
+            return MessageRequest(self._engine, self._message(desc.send, desc, send=True))
+        if desc.kind is OpKind.RECV:
+            return MessageRequest(self._engine, self._message(desc.recv, desc, send=False))
+        return self._thread.submit(self._collective, desc)
+
+    def _message(self, buf: Buffer, desc: OpDesc, send: bool) -> Message:
+        if buf.device == "cuda" and send:
+            dev.cuda_bind(buf.device_index)
+            dev.cuda_sync()
+        post = self._engine.send_range if send else self._engine.recv_range
+        return post(desc.peer, desc.tag, buf.ptr, buf.nbytes, buf.device, buf.device_index, buf.obj)
+
+    def _collective(self, desc: OpDesc) -> None:
+        host, copy_back = stage_on_host(desc)
+        try:
+            run_collective(host, self._engine, timeout=self._timeout,
+                           chunk_bytes=config.get("COMM_CHUNK_BYTES"), algo=config.get("COMM_ALGO"))
+        finally:
+            self._engine.forget_unowned()
+        copy_back()
+
+    def abort(self) -> None:
+        self._engine.abort()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.abort()      # a collective still queued fails instead of running
+        self._thread.stop()
+        self._engine.close()
+
+
+def stage_on_host(desc: OpDesc):
+    """(desc with host copies of its CUDA buffers, function copying the result back). In-place
+    relations survive: a send inside the recv range becomes a view of the host recv."""
+    if all(b is None or b.device != "cuda" for b in (desc.send, desc.recv)):
+        return desc, lambda: None
+    dev.cuda_bind((desc.recv or desc.send).device_index)
+    dev.cuda_sync()
+
+    def down(buf: Buffer) -> Buffer:
+        arr = np.empty(buf.nbytes, np.uint8)
+        dev.cuda_copy(arr.ctypes.data, buf.ptr, buf.nbytes, to_device=False)
+        return Buffer(arr.ctypes.data, buf.count, buf.dtype, (buf.count,), "cpu", 0, False, arr)
+
+    recv = down(desc.recv) if desc.recv is not None else None
+    send = desc.send
+    if send is not None and recv is not None and \
+            desc.recv.ptr <= send.ptr and send.ptr + send.nbytes <= desc.recv.ptr + desc.recv.nbytes:
+        send = recv.view((send.ptr - desc.recv.ptr) // send.dtype.itemsize, send.count)
+    elif send is not None:
+        send = down(send)
+
+    def copy_back() -> None:
+        if desc.recv is not None:
+            dev.cuda_copy(desc.recv.ptr, recv.ptr, recv.nbytes, to_device=True)
+
+    return dataclasses.replace(desc, send=send, recv=recv), copy_back
