@@ -28,7 +28,10 @@ Comm::~Comm() { release(); }
 void Comm::release() {
   for (Peer& p : peers) {
     if (p.monitor_fd >= 0) close(p.monitor_fd);
-    p = Peer{};
+    p.coll.reset();
+    p.p2p.reset();
+    p.monitor_fd = -1;
+    p.said_goodbye = false;
   }
   shm.reset();
 }
@@ -141,9 +144,12 @@ char* Comm::scratch(int which, size_t bytes) {
   return s.data.get();
 }
 
-void Comm::check_alive() {
+void Comm::check_alive(const Deadline& dl) {
   if (aborted.load(std::memory_order_relaxed))
     fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  // Under the lock, a 'B'ye read by the other thread is seen before its EOF is mistaken
+  // for a crash.
+  std::unique_lock<std::mutex> lock(alive_mu_);
   for (int r = 0; r < size; r++) {
     Peer& p = peers[r];
     if (p.monitor_fd < 0 || p.said_goodbye) continue;
@@ -159,7 +165,8 @@ void Comm::check_alive() {
     fail(ErrorCode::PEER_FAILURE, r,
          "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
   }
-  if (deadline.passed())
+  lock.unlock();
+  if (dl.passed())
     fail(ErrorCode::TIMEOUT, -1,
          "timed out after " + std::to_string(opt.timeout_s) +
              " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");

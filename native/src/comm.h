@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -34,7 +35,8 @@ struct Peer {
   std::unique_ptr<Channel> coll;  // collective traffic
   std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
   int monitor_fd = -1;            // carries no data: readable means gone (or 'B'ye on close)
-  bool said_goodbye = false;
+  // Atomic: the collective thread and the p2p driver both watch the monitor sockets.
+  std::atomic<bool> said_goodbye{false};
 };
 
 // One collective as the algorithms see it (pointers already resolved, op already mapped).
@@ -93,10 +95,13 @@ class Comm {
   // tens of microseconds on a busy machine, so sleeping only starts once the peer is
   // clearly not about to answer. `ready` is re-checked right before sleeping so a wake-up
   // cannot be lost; `fds` are polled instead of the futex when a socket is involved.
+  // `dl` is the deadline of the wait: the collective one unless the caller (p2p) has its own.
   template <class Ready>
-  void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr) {
+  void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr,
+            const Deadline* dl = nullptr) {
+    if (!dl) dl = &deadline;
     if (b.calls++ == 0) b.start = Clock::now();
-    if ((b.calls & 255) == 0) check_alive();
+    if ((b.calls & 255) == 0) check_alive(*dl);
     if (b.calls < spin_calls_) {
       cpu_relax();
       return;
@@ -106,8 +111,8 @@ class Comm {
       sched_yield();
       return;
     }
-    check_alive();
-    const int ms = deadline.ms_left(kSleepSliceMs);
+    check_alive(*dl);
+    const int ms = dl->ms_left(kSleepSliceMs);
     if (fds && !fds->empty()) sleep_fds(*fds, ms);
     else if (shm) shm->sleep(ready, ms);
     else sched_yield();
@@ -118,7 +123,9 @@ class Comm {
 
   // Call once shm is set: picks the spin budget from local ranks vs cores.
   void set_local_ranks_known();
-  void check_alive();  // throws PEER_FAILURE / ABORTED / TIMEOUT when waiting is pointless
+  // Throws PEER_FAILURE / ABORTED / TIMEOUT (past `dl`) when waiting is pointless.
+  void check_alive(const Deadline& dl);
+  void check_alive() { check_alive(deadline); }
   void abort();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
   void release();      // close every connection and unmap shared memory
@@ -137,6 +144,7 @@ class Comm {
   int spin_calls_ = 2000;
   Clock::duration yield_for_ = std::chrono::milliseconds(2);
   uint64_t round_ = 0;
+  std::mutex alive_mu_;  // one reader of the monitor sockets at a time (two threads wait)
   struct Scratch {
     std::unique_ptr<char[]> data;
     size_t bytes = 0;

@@ -1,53 +1,98 @@
-// Tagged send / recv on each peer's p2p stream. Messages with the same (peer, tag) match
-// in order; a message whose tag nobody waits for yet is parked in memory, so receives may
-// be posted in any tag order. A blocked send drains incoming messages meanwhile, so two
-// ranks sending to each other at once cannot deadlock on full buffers.
+// Tagged send / recv, progressed independently of the collective queue (MPI semantics):
+// isend / irecv never wait for each other, so any posting order of a batch completes.
+//
+// Each peer has one p2p stream per direction. Sends go out in posting order (per peer).
+// Receives wait in per-(peer, tag) queues; an arriving message goes to the oldest receive
+// of its tag, or is parked in memory when none is posted yet (up to kMaxParkedBytes in
+// all; beyond that the peer's stream stalls until a matching receive is posted). Messages
+// with the same (peer, tag) therefore match in order, different tags in any order.
+//
+// Progress: exactly one thread at a time "drives" (moves bytes for every pending op and
+// drains every peer's incoming stream): a blocking send / recv drives on the caller's
+// thread (no hand-off on the latency path), anything else is driven by the p2p thread.
+// Each op has its own deadline (posting time + COMM_TIMEOUT). The first failure (timeout,
+// dead peer, mismatch, abort) fails every pending op and every later one: the streams are
+// in an unknown state after it.
 #pragma once
 
+#include <condition_variable>
 #include <deque>
 #include <map>
-#include <utility>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
 #include <vector>
 
 #include "comm.h"
+#include "op.h"
 
 namespace comm {
+
+// Unexpected (not yet received) message bytes kept in memory, all peers together.
+constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
 class P2P {
  public:
   explicit P2P(Comm& c);
-  void send(int peer, int tag, DType dtype, const void* buf, size_t bytes);
-  void recv(int peer, int tag, DType dtype, void* buf, size_t bytes);
+  ~P2P();
+  P2P(const P2P&) = delete;
+  P2P& operator=(const P2P&) = delete;
+
+  // Posts a SEND or RECV. blocking: drives progress on this thread until the op is done,
+  // then returns null (throws its error); otherwise returns the op to wait on.
+  std::shared_ptr<Op> post(OpArgs a, bool blocking);
+  void wake();  // abort: the driver notices at once instead of after its sleep slice
+  void stop();  // close: fail what is pending with CLOSED and join the thread
 
  private:
+  struct Pending {
+    std::shared_ptr<Op> op;
+    Clock::time_point deadline;
+    Transfer t;  // send: the message on the wire
+  };
   struct Parked {
     WireHeader hdr;
     std::vector<char> body;
   };
-  struct Wanted {
-    int tag;
-    DType dtype;
-    char* buf;
-    size_t bytes;
-    bool done = false;
+  enum class Stage { HEADER, UNDECIDED, BODY };
+  struct PeerState {
+    Channel* ch = nullptr;
+    std::deque<Pending> sends;                 // wire order = posting order
+    std::map<int, std::deque<Pending>> recvs;  // posted, not yet matched, by tag
+    std::map<int, std::deque<Parked>> parked;  // arrived, not yet received, by tag
+    std::map<int, uint64_t> sent, received;    // per-tag message numbers (wire seq)
+    // The incoming message: its header, then its body into `target` or `park`.
+    Transfer in;
+    Stage stage = Stage::HEADER;
+    WireHeader hdr;
+    std::optional<Pending> target;
+    Parked park;
   };
-  // Incoming message being read from one peer: its header first, then its body.
-  struct Inbound {
-    Transfer t;
-    bool in_body = false;
-    bool to_wanted = false;
-    Parked parked;
-  };
-  bool drain(int peer, Wanted* want);
+
+  void drive(std::unique_lock<std::mutex>& lock, const Op* until);
+  void thread_loop();
+  bool pass();  // one non-blocking sweep over every peer; true if anything moved
+  bool progress_sends(int peer);
+  bool progress_inbound(int peer);
   void start_header(int peer);
-  void accept(int peer, const WireHeader& h, Wanted& want);
-  template <class Ready>
-  void idle(Backoff& spins, Ready ready, int send_peer, int recv_peer);
+  void match_parked(int peer, int tag);
+  void accept(int peer, const WireHeader& h, const Pending& want);
+  void finish(Pending& p, std::optional<CommError> error = std::nullopt);
+  void fail_all(const CommError& e);
+  void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
 
   Comm& c_;
-  std::vector<Inbound> inbound_;
-  std::map<std::pair<int, int>, uint64_t> sent_, received_;
-  std::map<std::pair<int, int>, std::deque<Parked>> parked_;
+  std::vector<PeerState> peers_;
+  std::mutex mu_;  // guards everything below; released while the driver sleeps
+  std::condition_variable cv_;
+  size_t pending_ = 0;  // ops posted and not finished
+  size_t parked_bytes_ = 0;
+  bool driving_ = false;
+  bool stopping_ = false;
+  std::optional<CommError> broken_;
+  std::thread thread_;
+  int wake_fd_ = -1;  // eventfd: a post interrupts the driver's poll()
 };
 
 }  // namespace comm

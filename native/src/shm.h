@@ -19,7 +19,7 @@ constexpr size_t kP2PRingBytes = 128 << 10;   // ring-buffer of send/recv traffi
 
 struct alignas(64) SegHeader {
   std::atomic<uint32_t> doorbell;  // futex word: bumped to wake the owner
-  std::atomic<uint32_t> sleeping;  // owner is (about to be) asleep on the doorbell
+  std::atomic<uint32_t> sleeping;  // how many of the owner's threads are (about to be) asleep
   uint64_t pid;
   uint64_t probe_addr;             // address of a known word in the owner's private memory
   alignas(64) std::atomic<uint64_t> round;  // last direct-path round the owner reached
@@ -76,10 +76,11 @@ class ShmDomain {
   void sleep(Ready ready, int timeout_ms) const {
     SegHeader* h = seg(me_);
     uint32_t bell = h->doorbell.load(std::memory_order_acquire);
-    h->sleeping.store(1, std::memory_order_relaxed);
+    // A count, not a flag: the collective thread and the p2p driver may both sleep here.
+    h->sleeping.fetch_add(1, std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (!ready()) futex_wait(&h->doorbell, bell, timeout_ms);
-    h->sleeping.store(0, std::memory_order_relaxed);
+    h->sleeping.fetch_sub(1, std::memory_order_relaxed);
   }
   void interrupt() const;  // wake this rank's own sleeper (abort)
 
