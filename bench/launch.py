@@ -157,6 +157,8 @@ def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     env.setdefault("COMM_SECRET", secrets.token_hex(16))
+    # as torchrun does: N ranks each running torch's default thread pool oversubscribe the cores
+    env.setdefault("OMP_NUM_THREADS", "1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(rendezvous.free_port())

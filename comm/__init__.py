@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import datetime
+import os
 
 from . import config, rendezvous
 from .buffers import Buffer
-from .communicator import Communicator
+from .communicator import Communicator, connect
+from .store import Store
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                      PeerFailure, TransportUnavailable)
 from .types import DType, PremulSum, ReduceOp, premul_sum
@@ -50,8 +52,6 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     "native", "mpi", "ucx", "nccl" or "verbs". timeout: seconds or timedelta for every
     operation (default COMM_TIMEOUT).
     """
-    from transports import base
-
     seconds = _seconds(timeout)
     if not seconds > 0:
         raise InvalidArgument(f"timeout must be positive, got {timeout!r}", op="init")
@@ -79,28 +79,19 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     port = place.master_port if place.master_port is not None else rendezvous.DEFAULT_PORT
 
     name = config.get("COMM_TRANSPORT") if transport == "auto" else transport
-    cls = base.get(name)
-    reason = cls.available()
-    if reason is not None:
-        raise TransportUnavailable(f"transport {name!r} cannot run here: {reason}", rank=place.rank, op="init")
-
     secret = config.get("COMM_SECRET")
-    if secret is None and place.size > 1:
-        from . import auth
-        auth.warn_unauthenticated()
-    secret_bytes = secret.encode() if secret else None
-    bind = rendezvous.bind_address()
     if place.size == 1 and port == 0:
         port = rendezvous.free_port()
-    from .store import Store
-    store = Store.host_or_connect(addr, port, rank=place.rank, size=place.size, timeout=seconds,
-                                  secret=secret_bytes, bind_addr=bind)
-    ctx = base.BootstrapContext(place.rank, place.size, store.scoped("world"), seconds,
-                                rendezvous.host_id(), secret_bytes, bind, "world")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent already serves a torch TCPStore on MASTER_PORT: join it as a client
+        from .torch_backend import TorchStore
+        store = TorchStore.connect(addr, port, place.rank, place.size, seconds)
+    else:
+        store = Store.host_or_connect(addr, port, rank=place.rank, size=place.size, timeout=seconds,
+                                      secret=secret.encode() if secret else None,
+                                      bind_addr=rendezvous.bind_address())
     try:
-        impl = cls.create(ctx)
+        return connect(store.scoped("world"), name, "world", owned_store=store)
     except BaseException:
         store.close()
         raise
-    return Communicator(impl, ctx, owned_store=store)
-

@@ -10,8 +10,10 @@ from __future__ import annotations
 import itertools
 import struct
 
+from . import auth, config, rendezvous
 from .buffers import Buffer, as_buffer
-from .errors import Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure
+from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
+                     TransportUnavailable)
 from .flight_recorder import FlightRecorder
 from .ops import BootstrapContext, OpDesc, OpKind
 from .types import DType, PremulSum, ReduceOp, op_allowed
@@ -112,7 +114,7 @@ class Communicator:
         except CommError as e:
             raise self._failed_op(desc, e, entry) from None
         if async_op:
-            return Work(self, req, desc)
+            return Work(self, req, desc, entry)
         entry[5] = "done"
         return None
 
@@ -133,9 +135,6 @@ class Communicator:
             if isinstance(err, (CommTimeout, PeerFailure)):
                 self._recorder.dump(str(err))
         return err
-
-    def _completed(self, desc: OpDesc | None, error: CommError | None) -> None:
-        """Work calls this when an async op ends."""
 
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
@@ -321,3 +320,23 @@ class Communicator:
         self._transport.close()
         if self._owned_store is not None:
             self._owned_store.close()
+
+
+def connect(store, transport: str, group_name: str = "world", *, ranks: tuple[int, ...] | None = None,
+            owned_store=None) -> Communicator:
+    """A Communicator over `transport` for the group whose bootstrap store (already scoped to the
+    group, knowing its rank, size and timeout) is `store`. comm.init and the torch backend
+    both end here, after their own rendezvous."""
+    from transports import base
+
+    cls = base.get(transport)
+    reason = cls.available()
+    if reason is not None:
+        raise TransportUnavailable(f"transport {transport!r} cannot run here: {reason}",
+                                   rank=store.rank, op="init")
+    secret = config.get("COMM_SECRET")
+    if secret is None and store.size > 1:
+        auth.warn_unauthenticated()
+    ctx = BootstrapContext(store.rank, store.size, store, store.timeout, rendezvous.host_id(),
+                           secret.encode() if secret else None, rendezvous.bind_address(), group_name)
+    return Communicator(cls.create(ctx), ctx, ranks=ranks, owned_store=owned_store)

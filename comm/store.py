@@ -88,8 +88,28 @@ class StoreServer:
             pass
 
 
-class Store:
-    """Client of the store; `scoped` views share one connection."""
+class KeyValueStore:
+    """What transports need of a bootstrap store. Subclasses provide set / get / add /
+    local_address / scoped / close and the rank, size and timeout of their group; the
+    collective helpers below are written once on top of them."""
+
+    rank: int
+    size: int
+    timeout: float
+
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        """Every rank's value for `key`, indexed by rank."""
+        self.set(f"{key}/{self.rank}", value)
+        return [value if r == self.rank else self.get(f"{key}/{r}") for r in range(self.size)]
+
+    def barrier(self, key: str) -> None:
+        if self.add(f"{key}/count", 1) == self.size:
+            self.set(f"{key}/done", b"")
+        self.get(f"{key}/done")
+
+
+class Store(KeyValueStore):
+    """Client of this library's store; `scoped` views share one connection."""
 
     def __init__(self, addr: str, port: int, *, rank: int, size: int, timeout: float,
                  secret: bytes | None, server: StoreServer | None = None):
@@ -174,16 +194,6 @@ class Store:
     def add(self, key: str, amount: int) -> int:
         return int.from_bytes(self._call(_ADD, key, amount.to_bytes(8, "little", signed=True)),
                               "little", signed=True)
-
-    def all_gather(self, key: str, value: bytes) -> list[bytes]:
-        """Every rank's value for `key`, indexed by rank."""
-        self.set(f"{key}/{self.rank}", value)
-        return [value if r == self.rank else self.get(f"{key}/{r}") for r in range(self.size)]
-
-    def barrier(self, key: str) -> None:
-        if self.add(f"{key}/count", 1) == self.size:
-            self.set(f"{key}/done", b"")
-        self.get(f"{key}/done")
 
     def close(self) -> None:
         if self._prefix:

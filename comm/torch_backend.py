@@ -19,6 +19,7 @@ complete out of order.)
 from __future__ import annotations
 
 import datetime
+import os
 import queue
 import socket
 import threading
@@ -26,8 +27,9 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import auth, config, rendezvous
-from .communicator import Communicator
+from . import config, rendezvous
+from .communicator import Communicator, connect
+from .store import KeyValueStore
 from .errors import CommError, CommTimeout, InvalidArgument, TransportUnavailable
 from .types import ReduceOp, premul_sum
 
@@ -39,12 +41,21 @@ class Unsupported(CommError, NotImplementedError):
 
 
 # ---- the torch store seen through comm.store.Store's interface ------------------------------
-class TorchStore:
+class TorchStore(KeyValueStore):
     """comm.store.Store's methods over a torch.distributed Store, so transports bootstrap through
     the store torch already set up for the group (no second rendezvous port)."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):
         self._store, self.rank, self.size, self.timeout = store, rank, size, timeout
+
+    @classmethod
+    def connect(cls, addr: str, port: int, rank: int, size: int, timeout: float) -> "TorchStore":
+        """A client of the TCPStore torchrun's agent serves on MASTER_PORT; our keys live under
+        comm/<restart count>/ so an elastic restart never reads the previous attempt's."""
+        store = dist.TCPStore(addr, port, world_size=size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(dist.PrefixStore(f"comm/{attempt}/", store), rank, size, timeout)
 
     def _fail(self, key: str, e: Exception) -> CommError:
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
@@ -81,41 +92,12 @@ class TorchStore:
                     pass
         return rendezvous.routable_address()
 
-    def all_gather(self, key: str, value: bytes) -> list[bytes]:
-        self.set(f"{key}/{self.rank}", value)
-        return [value if r == self.rank else self.get(f"{key}/{r}") for r in range(self.size)]
-
-    def barrier(self, key: str) -> None:
-        if self.add(f"{key}/count", 1) == self.size:
-            self.set(f"{key}/done", b"")
-        self.get(f"{key}/done")
-
     def scoped(self, prefix: str, rank: int | None = None, size: int | None = None) -> TorchStore:
         return TorchStore(dist.PrefixStore(f"{prefix}/", self._store), self.rank if rank is None else rank,
                           self.size if size is None else size, self.timeout)
 
     def close(self) -> None:
         """torch owns the store."""
-
-
-def communicator_from_store(store: TorchStore, transport: str, group_name: str,
-                            ranks: tuple[int, ...]) -> Communicator:
-    """A Communicator for the group whose (already scoped) store is `store`: comm.init's last
-    steps, minus the rendezvous torch has already done."""
-    from transports import base
-
-    cls = base.get(transport)
-    reason = cls.available()
-    if reason is not None:
-        raise TransportUnavailable(f"transport {transport!r} cannot run here: {reason}",
-                                   rank=store.rank, op="init")
-    secret = config.get("COMM_SECRET")
-    if secret is None and store.size > 1:
-        auth.warn_unauthenticated()
-    ctx = base.BootstrapContext(store.rank, store.size, store, store.timeout, rendezvous.host_id(),
-                                secret.encode() if secret else None, rendezvous.bind_address(),
-                                group_name)
-    return Communicator(cls.create(ctx), ctx, ranks=ranks)
 
 
 def transport_for(device: str) -> str:
@@ -299,7 +281,7 @@ class ProcessGroupComm(dist.ProcessGroup):
                     transport = transport_for(device)
                     store = TorchStore(dist.PrefixStore(f"comm/{device}/", self._store), self.rank(),
                                        self.size(), self.timeout)
-                    comm = communicator_from_store(store, transport, f"{self._name}/{device}", self._ranks)
+                    comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks)
                 except TransportUnavailable as e:
                     raise TransportUnavailable(f"{device} tensors need a transport that reaches {device}: "
                                                f"{e.cause}", rank=self.rank(), op=op) from None

@@ -14,12 +14,13 @@ class Work:
     The buffers stay referenced until the operation completes.
     """
 
-    __slots__ = ("_comm", "_req", "_desc", "_error", "_done", "_callbacks", "_lock")
+    __slots__ = ("_comm", "_req", "_desc", "_entry", "_error", "_done", "_callbacks", "_lock")
 
-    def __init__(self, comm, req, desc):
+    def __init__(self, comm, req, desc, entry):
         self._comm = comm
         self._req = req
         self._desc = desc
+        self._entry = entry  # the flight recorder's line for this op
         self._error: CommError | None = None
         self._done = False
         self._callbacks: list = []
@@ -30,7 +31,7 @@ class Work:
             try:
                 self._req.wait(self._comm.timeout if timeout is None else timeout)
             except CommError as e:
-                self._finish(self._comm._failed_op(self._desc, e))
+                self._finish(self._comm._failed_op(self._desc, e, self._entry))
             else:
                 self._finish(None)
         if self._error is not None:
@@ -43,7 +44,7 @@ class Work:
                 if not self._req.test():
                     return False
             except CommError as e:
-                self._finish(self._comm._failed_op(self._desc, e))
+                self._finish(self._comm._failed_op(self._desc, e, self._entry))
                 return True
             self._finish(None)
         return True
@@ -67,7 +68,7 @@ class Work:
             if self._done:
                 return
             self._error, self._done = error, True
-            self._comm._completed(self._desc, error)
+            self._entry[5] = "failed" if error is not None else "done"
             callbacks, self._callbacks = self._callbacks, []
             self._desc = None  # release the buffers
         for fn in callbacks:

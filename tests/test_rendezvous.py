@@ -7,7 +7,7 @@ import pytest
 
 import comm
 from comm import config, rendezvous
-from harness import mpirun, run_ranks
+from harness import free_port as harness_port, mpirun, run_ranks
 from transports import base
 
 
@@ -72,3 +72,29 @@ def test_mpirun_without_master_addr():
     """Under mpirun with no MASTER_ADDR, rank 0's address travels through mpi4py."""
     pytest.importorskip("mpi4py")
     assert run_ranks(mpi_world, 3, launcher="mpirun", transport="native") == [(0, 3), (1, 3), (2, 3)]
+
+
+TORCHRUN_JOB = """
+import numpy as np, comm
+world = comm.init()
+x = np.full(4, float(world.rank + 1))
+world.all_reduce(x)
+print(f"rank {world.rank} of {world.size}: {x[0]:.0f}")
+world.close()
+"""
+
+
+@pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
+def test_torchrun_agent_store(tmp_path):
+    """Under torchrun the agent already serves MASTER_PORT: comm.init joins its store."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+    script = tmp_path / "job.py"
+    script.write_text(TORCHRUN_JOB)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                          "--master_port", str(harness_port()), str(script)],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout, out.stdout

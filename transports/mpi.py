@@ -140,7 +140,6 @@ class MPITransport(Transport):
         self._owned = owned           # split communicators are freed on close
         self._bounded = config.get("COMM_MPI_BOUNDED")
         self._aborted = False
-        self._splits = 0
         self._tag_ub = comm.Get_attr(MPI.TAG_UB)
 
     @classmethod
@@ -163,21 +162,18 @@ class MPITransport(Transport):
             _OPS.update(ops)
         return cls(world, owned=False)
 
-    def split(self, color: int, key: int, ctx: BootstrapContext) -> "MPITransport":
-        # Comm.Split is collective over the whole parent, but ranks that join no group never
-        # reach the transport. Create_group is collective over the members only: they learn
-        # each other's parent ranks through the group's store, in the new rank order.
-        self._splits += 1
-        members = [int(v) for v in ctx.store.all_gather("mpi-members", str(self.rank).encode())]
-        parent = self.comm.Get_group()
-        group = parent.Incl(members)
+    def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "MPITransport | None":
+        # Every rank of the parent comes here (ctx None: it joins no group), as Comm.Split
+        # needs. MPI orders each group by (key, parent rank), as the Communicator does.
         try:
-            sub = self.comm.Create_group(group, tag=self._splits % self._tag_ub)
+            sub = self.comm.Split(MPI.UNDEFINED if ctx is None else color, key)
         except MPI.Exception as e:
-            raise _error(e).locate(ctx.rank, "split") from None
-        finally:
-            group.Free()
-            parent.Free()
+            raise _error(e).locate(self.rank, "split") from None
+        if ctx is None:
+            return None
+        if sub.Get_rank() != ctx.rank or sub.Get_size() != ctx.size:
+            raise CommError(f"MPI split gave rank {sub.Get_rank()} of {sub.Get_size()}, the group "
+                            f"expects {ctx.rank} of {ctx.size}", rank=ctx.rank, op="split")
         return MPITransport(sub, owned=True)
 
     # ---- posting ---------------------------------------------------------------------------

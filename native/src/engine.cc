@@ -74,6 +74,11 @@ void Engine::start() {
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (args.kind == OpKind::SEND || args.kind == OpKind::RECV) {
+    // Never behind the collective queue: a posted irecv must not hold up anything.
+    lock.unlock();
+    return p2p_->post(std::move(args), blocking);
+  }
   if (blocking && queue_.empty() && !busy_) {
     busy_ = true;
     lock.unlock();
@@ -121,7 +126,7 @@ void Engine::execute(Op& op) {
     try {
       comm_.deadline.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                              std::chrono::duration<double>(comm_.opt.timeout_s));
-      run(op.args);
+      run_collective(op.args);
     } catch (const CommError& e) {
       error = e;
       // The streams are now in an unknown state: the communicator cannot be trusted again.
@@ -129,19 +134,6 @@ void Engine::execute(Op& op) {
     }
   }
   op.finish(std::move(error));
-}
-
-void Engine::run(const OpArgs& a) {
-  const size_t bytes = a.count * itemsize(a.dtype);
-  switch (a.kind) {
-    case OpKind::SEND:
-      p2p_->send(a.peer, a.tag, a.dtype, reinterpret_cast<const void*>(a.send), bytes);
-      break;
-    case OpKind::RECV:
-      p2p_->recv(a.peer, a.tag, a.dtype, reinterpret_cast<void*>(a.recv), bytes);
-      break;
-    default: run_collective(a);
-  }
 }
 
 // A group of one: every collective is a local copy.
@@ -193,6 +185,7 @@ void Engine::run_collective(const OpArgs& a) {
 
 void Engine::abort() {
   comm_.abort();
+  if (p2p_) p2p_->wake();
 }
 
 void Engine::close() {
@@ -206,8 +199,9 @@ void Engine::close() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  if (p2p_) p2p_->stop();  // pending sends / receives fail with CLOSED
   if (!comm_.aborted.load()) comm_.say_goodbye();
-  p2p_.reset();
+  // p2p_ lives on (stopped: it answers CLOSED) so a racing post never sees it freed.
   comm_.release();
 }
 

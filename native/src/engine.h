@@ -1,6 +1,7 @@
-// One communicator of the engine: owns the Comm, runs operations in posting order.
-// A blocking call on an idle engine runs on the caller's thread (no hand-off on the
-// latency path); anything else is queued for the progress thread.
+// One communicator of the engine: owns the Comm, runs collectives in posting order.
+// A blocking collective on an idle engine runs on the caller's thread (no hand-off on the
+// latency path); anything else is queued for the progress thread. Send / recv bypass the
+// queue: P2P progresses them independently (p2p.h).
 #pragma once
 
 #include <condition_variable>
@@ -40,7 +41,6 @@ class Engine {
 
  private:
   void execute(Op& op);
-  void run(const OpArgs& a);
   void run_collective(const OpArgs& a);
   void progress_loop();
 

@@ -1,135 +1,333 @@
 #include "p2p.h"
 
+#include <sys/eventfd.h>
+#include <unistd.h>
+
 #include <cstring>
 #include <string>
 
 namespace comm {
 
-P2P::P2P(Comm& c) : c_(c), inbound_(c.size) {
-  for (int p = 0; p < c.size; p++)
-    if (c.peers[p].p2p) start_header(p);
+namespace {
+std::string describe(const OpArgs& a) {
+  return std::string(a.kind == OpKind::SEND ? "isend to" : "irecv from") + " rank " +
+         std::to_string(a.peer) + " with tag " + std::to_string(a.tag);
+}
+}  // namespace
+
+P2P::P2P(Comm& c) : c_(c), peers_(c.size) {
+  for (int p = 0; p < c.size; p++) {
+    peers_[p].ch = c.peers[p].p2p.get();
+    if (peers_[p].ch) start_header(p);
+  }
+  wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) fail_errno("eventfd");
+}
+
+P2P::~P2P() {
+  stop();
+  close(wake_fd_);
 }
 
 void P2P::start_header(int peer) {
-  Inbound& in = inbound_[peer];
-  in = Inbound{};
-  in.t.ch = c_.peers[peer].p2p.get();
-  in.t.check = Transfer::Check::NONE;  // the tag decides where the body goes
+  PeerState& ps = peers_[peer];
+  ps.in = Transfer{};
+  ps.in.ch = ps.ch;
+  ps.in.check = Transfer::Check::NONE;  // the tag decides where the body goes
+  ps.stage = Stage::HEADER;
 }
 
-void P2P::send(int peer, int tag, DType dtype, const void* buf, size_t bytes) {
-  Transfer t;
-  t.ch = c_.peers[peer].p2p.get();
-  t.is_send = true;
-  t.buf = const_cast<char*>(static_cast<const char*>(buf));
-  t.len = bytes;
-  t.hdr.kind = static_cast<uint8_t>(OpKind::SEND);
-  t.hdr.dtype = static_cast<uint8_t>(dtype);
-  t.hdr.tag = tag;
-  t.hdr.len = bytes;
-  t.hdr.count = bytes / itemsize(dtype);
-  t.hdr.seq = sent_[{peer, tag}]++;
+std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (broken_) throw *broken_;
+  if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  const int peer = a.peer, tag = a.tag;
+  PeerState& ps = peers_[peer];
+  Pending p;
+  p.op = std::make_shared<Op>(std::move(a));
+  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                  std::chrono::duration<double>(c_.opt.timeout_s));
+  const OpArgs& args = p.op->args;
+  const size_t bytes = args.count * itemsize(args.dtype);
+  auto op = p.op;
+  pending_++;
+  if (args.kind == OpKind::SEND) {
+    Transfer& t = p.t;
+    t.ch = ps.ch;
+    t.is_send = true;
+    t.buf = reinterpret_cast<char*>(args.send);
+    t.len = bytes;
+    t.hdr.kind = static_cast<uint8_t>(OpKind::SEND);
+    t.hdr.dtype = static_cast<uint8_t>(args.dtype);
+    t.hdr.tag = tag;
+    t.hdr.len = bytes;
+    t.hdr.count = args.count;
+    t.hdr.seq = ps.sent[tag]++;
+    ps.sends.push_back(std::move(p));
+  } else {
+    ps.recvs[tag].push_back(std::move(p));
+    try {
+      match_parked(peer, tag);  // the message may be here already
+    } catch (const CommError& e) {
+      fail_all(e);
+    }
+  }
+  if (!blocking) {
+    if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+    if (driving_) wake();  // a sleeping driver must see the new op
+    else cv_.notify_all();
+    return op;
+  }
+  if (!driving_) {
+    drive(lock, op.get());
+  } else {
+    lock.unlock();
+    op->wait(-1);  // the driver completes it, or fails it by its deadline
+  }
+  op->rethrow();
+  return nullptr;
+}
+
+void P2P::wake() {
+  const uint64_t one = 1;
+  (void)!write(wake_fd_, &one, sizeof one);
+  if (c_.shm) c_.shm->interrupt();
+}
+
+void P2P::stop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  stopping_ = true;
+  wake();
+  cv_.notify_all();
+  cv_.wait(lock, [&] { return !driving_; });  // a caller's thread may be driving
+  lock.unlock();
+  if (thread_.joinable()) thread_.join();
+}
+
+void P2P::thread_loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || (pending_ > 0 && !driving_); });
+    if (stopping_) break;
+    drive(lock, nullptr);
+  }
+}
+
+// Drives until `until` is done (a blocking caller) or nothing is pending (the thread).
+void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
+  driving_ = true;
   Backoff spins;
-  while (!t.complete()) {
-    bool moved = t.ch->progress(t);
-    for (int p = 0; p < c_.size; p++)
-      if (c_.peers[p].p2p) moved |= drain(p, nullptr);
-    if (moved) {
-      spins = Backoff{};
-      continue;
+  while (until ? !until->test() : pending_ > 0) {
+    if (stopping_) {
+      fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
+      break;
     }
-    idle(spins, [&] { return t.ch->ready(t); }, peer, -1);
+    try {
+      if (pass()) {
+        spins = Backoff{};
+        continue;
+      }
+      idle(lock, spins);
+    } catch (const CommError& e) {
+      if (!lock.owns_lock()) lock.lock();
+      fail_all(e);
+    }
   }
+  driving_ = false;
+  // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
+  if (pending_ > 0 && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  cv_.notify_all();
 }
 
-void P2P::recv(int peer, int tag, DType dtype, void* buf, size_t bytes) {
-  Wanted want{tag, dtype, static_cast<char*>(buf), bytes};
-  auto& queue = parked_[{peer, tag}];
-  if (!queue.empty()) {
-    accept(peer, queue.front().hdr, want);
-    std::memcpy(buf, queue.front().body.data(), bytes);
-    queue.pop_front();
-    return;
+bool P2P::pass() {
+  uint64_t drained;
+  (void)!read(wake_fd_, &drained, sizeof drained);
+  if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  const auto now = Clock::now();
+  for (PeerState& ps : peers_) {
+    auto expired = [&](const Pending& p) { return p.deadline <= now; };
+    const Pending* late = nullptr;
+    for (const Pending& p : ps.sends)
+      if (!late && expired(p)) late = &p;
+    for (const auto& [tag, q] : ps.recvs)
+      for (const Pending& p : q)
+        if (!late && expired(p)) late = &p;
+    if (!late && ps.target && expired(*ps.target)) late = &*ps.target;
+    if (late)
+      fail(ErrorCode::TIMEOUT, -1,
+           describe(late->op->args) + " not completed after " + std::to_string(c_.opt.timeout_s) +
+               " s (COMM_TIMEOUT): the peer did not post the matching operation, or is hung");
   }
-  Backoff spins;
-  while (!want.done) {
-    if (drain(peer, &want)) {
-      spins = Backoff{};
-      // The message we want may have been parked while our body was in flight.
-      if (!want.done && !queue.empty()) return recv(peer, tag, dtype, buf, bytes);
-      continue;
-    }
-    Inbound& in = inbound_[peer];
-    idle(spins, [&] { return in.t.ch->ready(in.t); }, -1, peer);
-  }
-}
-
-// Checks a matched message against the receive and advances the (peer, tag) counter.
-void P2P::accept(int peer, const WireHeader& h, Wanted& want) {
-  const uint64_t expected_seq = received_[{peer, want.tag}]++;
-  if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype != static_cast<uint8_t>(want.dtype) ||
-      h.len != want.bytes || h.seq != expected_seq)
-    fail(ErrorCode::MISMATCH, peer,
-         "recv from rank " + std::to_string(peer) + " with tag " + std::to_string(want.tag) +
-             " expected " + std::to_string(want.bytes) + " bytes of dtype " +
-             std::to_string(static_cast<int>(want.dtype)) + " but rank " + std::to_string(peer) +
-             " sent " + std::to_string(h.len) + " bytes of dtype " + std::to_string(h.dtype));
-}
-
-bool P2P::drain(int peer, Wanted* want) {
-  Inbound& in = inbound_[peer];
-  bool moved = in.t.ch->progress(in.t);
-  if (!in.in_body && in.t.complete()) {
-    const WireHeader h = in.t.got;
-    Transfer body;
-    body.ch = in.t.ch;
-    body.with_header = false;
-    body.len = h.len;
-    in.to_wanted = want && h.tag == want->tag && parked_[{peer, h.tag}].empty();
-    if (in.to_wanted) {
-      accept(peer, h, *want);
-      body.buf = want->buf;
-    } else {
-      in.parked.hdr = h;
-      in.parked.body.resize(h.len);
-      body.buf = in.parked.body.data();
-    }
-    in.t = body;
-    in.in_body = true;
-    moved = true;
-  }
-  if (in.in_body) {
-    moved |= in.t.ch->progress(in.t);
-    if (in.t.complete()) {
-      if (in.to_wanted) want->done = true;
-      else parked_[{peer, in.parked.hdr.tag}].push_back(std::move(in.parked));
-      start_header(peer);
-    }
+  bool moved = false;
+  for (int p = 0; p < c_.size; p++) {
+    if (!peers_[p].ch) continue;
+    moved |= progress_sends(p);
+    moved |= progress_inbound(p);
   }
   return moved;
 }
 
-template <class Ready>
-void P2P::idle(Backoff& spins, Ready ready, int send_peer, int recv_peer) {
+bool P2P::progress_sends(int peer) {
+  PeerState& ps = peers_[peer];
+  bool moved = false;
+  while (!ps.sends.empty()) {
+    Pending& s = ps.sends.front();
+    moved |= ps.ch->progress(s.t);
+    if (!s.t.complete()) break;
+    finish(s);
+    ps.sends.pop_front();
+    moved = true;
+  }
+  return moved;
+}
+
+bool P2P::progress_inbound(int peer) {
+  PeerState& ps = peers_[peer];
+  bool moved = false;
+  for (;;) {
+    if (ps.stage == Stage::HEADER) {
+      moved |= ps.ch->progress(ps.in);
+      if (!ps.in.header_complete()) return moved;
+      const WireHeader& h = ps.in.got;
+      // Checked before any allocation or byte of payload: a corrupt length must not
+      // become a huge buffer or a write past a user's array.
+      if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype >= static_cast<uint8_t>(DType::COUNT) ||
+          h.tag < 0 || h.len > (uint64_t{1} << 56) ||
+          h.len != h.count * itemsize(static_cast<DType>(h.dtype)))
+        fail(ErrorCode::MISMATCH, peer, "corrupt send/recv header from rank " + std::to_string(peer));
+      ps.hdr = h;
+      ps.stage = Stage::UNDECIDED;
+    }
+    if (ps.stage == Stage::UNDECIDED) {
+      const WireHeader& h = ps.hdr;
+      Transfer body;
+      body.ch = ps.ch;
+      body.with_header = false;
+      body.len = h.len;
+      auto it = ps.recvs.find(h.tag);
+      if (it != ps.recvs.end() && !it->second.empty()) {
+        // Oldest receive of the tag (nothing of this tag is parked: match_parked ran).
+        ps.target = std::move(it->second.front());
+        it->second.pop_front();
+        if (it->second.empty()) ps.recvs.erase(it);
+        accept(peer, h, *ps.target);
+        body.buf = reinterpret_cast<char*>(ps.target->op->args.recv);
+      } else if (parked_bytes_ + h.len <= kMaxParkedBytes) {
+        ps.park.hdr = h;
+        ps.park.body.resize(h.len);
+        parked_bytes_ += h.len;
+        body.buf = ps.park.body.data();
+      } else {
+        return moved;  // flow control: wait for a receive of this tag (or the timeout)
+      }
+      ps.in = body;
+      ps.stage = Stage::BODY;
+      moved = true;
+    }
+    if (!ps.in.complete()) moved |= ps.ch->progress(ps.in);
+    if (!ps.in.complete()) return moved;
+    if (ps.target) {
+      finish(*ps.target);
+      ps.target.reset();
+    } else {
+      const int tag = ps.park.hdr.tag;
+      ps.parked[tag].push_back(std::move(ps.park));
+      ps.park = Parked{};
+      match_parked(peer, tag);  // a receive may have been posted while the body arrived
+    }
+    start_header(peer);
+    moved = true;
+  }
+}
+
+// Hands parked messages of (peer, tag) to posted receives, oldest to oldest.
+void P2P::match_parked(int peer, int tag) {
+  PeerState& ps = peers_[peer];
+  auto pit = ps.parked.find(tag);
+  auto rit = ps.recvs.find(tag);
+  if (pit == ps.parked.end() || rit == ps.recvs.end()) return;
+  while (!pit->second.empty() && !rit->second.empty()) {
+    Parked& m = pit->second.front();
+    Pending r = std::move(rit->second.front());
+    rit->second.pop_front();
+    accept(peer, m.hdr, r);
+    std::memcpy(reinterpret_cast<void*>(r.op->args.recv), m.body.data(), m.body.size());
+    parked_bytes_ -= m.body.size();
+    pit->second.pop_front();
+    finish(r);
+  }
+  if (pit->second.empty()) ps.parked.erase(pit);
+  if (rit->second.empty()) ps.recvs.erase(rit);
+}
+
+// Checks a matched message against its receive and advances the (peer, tag) counter.
+void P2P::accept(int peer, const WireHeader& h, const Pending& want) {
+  const OpArgs& a = want.op->args;
+  const uint64_t bytes = a.count * itemsize(a.dtype);
+  const uint64_t expected_seq = peers_[peer].received[a.tag]++;
+  if (h.dtype != static_cast<uint8_t>(a.dtype) || h.len != bytes || h.seq != expected_seq)
+    fail(ErrorCode::MISMATCH, peer,
+         describe(a) + " expected message " + std::to_string(expected_seq) + " of " +
+             std::to_string(bytes) + " bytes of dtype " + std::to_string(static_cast<int>(a.dtype)) +
+             " but rank " + std::to_string(peer) + " sent message " + std::to_string(h.seq) +
+             " of " + std::to_string(h.len) + " bytes of dtype " + std::to_string(h.dtype));
+}
+
+void P2P::finish(Pending& p, std::optional<CommError> error) {
+  p.op->finish(std::move(error));
+  pending_--;
+}
+
+void P2P::fail_all(const CommError& e) {
+  if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
+  for (PeerState& ps : peers_) {
+    for (Pending& p : ps.sends) finish(p, e);
+    for (auto& [tag, q] : ps.recvs)
+      for (Pending& p : q) finish(p, e);
+    if (ps.target) finish(*ps.target, e);
+    ps.sends.clear();
+    ps.recvs.clear();
+    ps.parked.clear();
+    ps.target.reset();
+    ps.park = Parked{};
+  }
+  parked_bytes_ = 0;
+}
+
+// Nothing moved: wait (without the lock, so others can post) until a stream is ready, a
+// post wakes us, or a sleep slice passes; timeouts are checked by the next pass().
+void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
+  std::vector<std::pair<Channel*, bool>> probes;  // (channel, is_send) that could move
   std::vector<pollfd> fds;
   bool shm_pending = false;
-  auto add = [&](int peer, short events) {
-    const auto& socks = c_.peers[peer].p2p->sockets();
+  for (const PeerState& ps : peers_) {
+    if (!ps.ch) continue;
+    const bool sending = !ps.sends.empty();
+    probes.push_back({ps.ch, false});
+    if (sending) probes.push_back({ps.ch, true});
+    const auto& socks = ps.ch->sockets();
     if (socks.empty()) shm_pending = true;
-    for (int fd : socks) fds.push_back({fd, events, 0});
-  };
-  if (send_peer >= 0) {
-    add(send_peer, POLLOUT);
-    for (int p = 0; p < c_.size; p++)
-      if (c_.peers[p].p2p) add(p, POLLIN);
+    for (int fd : socks) fds.push_back({fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0});
   }
-  if (recv_peer >= 0) add(recv_peer, POLLIN);
   if (!fds.empty()) {
+    fds.push_back({wake_fd_, POLLIN, 0});
     for (const Peer& p : c_.peers)
       if (p.monitor_fd >= 0 && !p.said_goodbye) fds.push_back({p.monitor_fd, POLLIN, 0});
-    if (shm_pending) fds.push_back({-1, 0, 0});
+    if (shm_pending) fds.push_back({-1, 0, 0});  // shared memory cannot wake poll(): poll briefly
   }
-  c_.idle(spins, ready, &fds);
+  auto ready = [&] {
+    for (auto [ch, is_send] : probes) {
+      Transfer probe;
+      probe.is_send = is_send;
+      if (ch->ready(probe)) return true;
+    }
+    return false;
+  };
+  const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
+  lock.unlock();
+  c_.idle(spins, ready, &fds, &none);
+  lock.lock();
 }
 
 }  // namespace comm

@@ -1,0 +1,138 @@
+"""What the conformance suite does not show about the mpi transport: its half-precision user
+operations, split through Comm.Split, the bounded (non-blocking) mode, timeouts, and how
+it refuses to run without mpirun. Ranks are launched by a real mpirun."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from comm.buffers import as_buffer
+from comm.types import DType, ReduceOp
+from harness import RanksFailed, run_ranks
+from reference import make, mismatch, ops_for, reduce, values
+from transports import base
+
+pytestmark = pytest.mark.skipif(base.unavailable_reason("mpi") is not None,
+                                reason=f"mpi: {base.unavailable_reason('mpi')}")
+
+
+def _run(cluster, n, fn, *args, env=None):
+    problems = cluster(n, "mpi", "mpirun", env).run(fn, *args, timeout=200)
+    flat = [p for rank in problems for p in rank]
+    assert not flat, "\n".join(flat[:20])
+
+
+def half_ops_locally(world):
+    """The user-defined MPI.Op on its own (MPI_Reduce_local), against numpy."""
+    from mpi4py import MPI
+
+    from transports.mpi import _OPS
+    problems = []
+    for dtype in (DType.FLOAT16, DType.BFLOAT16):
+        for op in ops_for(dtype):
+            a, b = values(dtype, 513, 0, 1, op), values(dtype, 513, 1, 1, op)
+            x, y = make(a, dtype), make(b, dtype)
+            xs, ys = (as_buffer(v, op="t", writable=True).numpy() for v in (x, y))  # 16-bit storage
+            _OPS[dtype, op].Reduce_local([xs, MPI.UINT16_T], [ys, MPI.UINT16_T])
+            base_op = ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
+            p = mismatch(y, reduce([a, b], base_op, dtype), dtype, f"MPI user op {dtype.name} {op.name}")
+            problems += [p] if p else []
+    return problems
+
+
+def test_half_precision_user_ops(cluster):
+    _run(cluster, 1, half_ops_locally)
+
+
+def half_all_reduce(world, count):
+    problems = []
+    for dtype in (DType.FLOAT16, DType.BFLOAT16):
+        for op in ops_for(dtype):
+            ins = [values(dtype, count, r, 5, op) for r in range(world.size)]
+            x = make(ins[world.rank], dtype)
+            world.all_reduce(x, op=op, scale=0.5 if op is ReduceOp.PREMUL_SUM else None)
+            p = mismatch(x, reduce(ins, op, dtype, 0.5), dtype, f"{dtype.name} {op.name} {count}")
+            problems += [p] if p else []
+    return problems
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_half_precision_all_reduce_across_ranks(cluster, n):
+    _run(cluster, n, half_all_reduce, 70_001)  # large enough for MPI's segmented algorithms
+
+
+def nested_splits(world):
+    problems, r, n = [], world.rank, world.size
+    outer = world.split(0 if r < 3 else None)        # rank 3 joins nothing
+    if r == 3:
+        return [] if outer is None else ["rank 3 got a group"]
+    inner = outer.split(r % 2, key=-r)
+    x = np.array([float(r)])
+    inner.all_reduce(x)
+    want = sum(q for q in range(3) if q % 2 == r % 2)
+    if x[0] != want:
+        problems.append(f"rank {r}: nested split all_reduce {x[0]} != {want}")
+    if inner.transport != "mpi":
+        problems.append("sub-communicator left the mpi transport")
+    y = np.zeros(4)
+    outer.all_reduce(y, async_op=True).wait()
+    inner.close()
+    outer.close()
+    return problems
+
+
+def test_nested_split_with_a_rank_outside(cluster):
+    _run(cluster, 4, nested_splits)
+
+
+def async_overlap(world):
+    """Non-blocking forms: several ops in flight, p2p with tags, AVG finished after the wait."""
+    problems, r, n = [], world.rank, world.size
+    xs = [np.full(1000, float(r + i)) for i in range(4)]
+    works = [world.all_reduce(x, op=ReduceOp.AVG, async_op=True) for x in xs]
+    out = np.zeros(n * 3, np.int32)
+    wg = world.all_gather(out, np.full(3, r, np.int32), async_op=True)
+    wb = world.barrier(async_op=True)
+    for i, w in enumerate(works):
+        w.wait()
+        if not (xs[i] == (n - 1) / 2 + i).all():
+            problems.append(f"rank {r}: async AVG {i} got {xs[i][0]}")
+    wg.wait()
+    wb.wait()
+    if not (out == np.repeat(np.arange(n), 3)).all():
+        problems.append(f"rank {r}: async all_gather {out}")
+    return problems
+
+
+@pytest.mark.parametrize("env", [None, {"COMM_MPI_BOUNDED": "1"}], ids=["blocking", "bounded"])
+def test_async_and_bounded_mode(cluster, env):
+    _run(cluster, 3, async_overlap, env=env)
+    if env:
+        from test_conformance import check_all_reduce
+        _run(cluster, 2, check_all_reduce, [DType.FLOAT32, DType.BFLOAT16, DType.INT8], [0, 1, 1001], env=env)
+
+
+def unmatched_recv(world):
+    from comm import CommTimeout
+    if world.rank == 0:
+        w = world.irecv(np.zeros(4), 1, tag=99)      # nobody sends
+        try:
+            w.wait(timeout=0.3)
+        except CommTimeout as e:
+            return [] if "recv" in str(e) and "[rank 0]" in str(e) else [f"bad message: {e}"]
+        return ["irecv without a sender completed"]
+    return []
+
+
+def test_wait_honours_the_timeout():
+    problems = run_ranks(unmatched_recv, 2, transport="mpi", launcher="mpirun", timeout=60)
+    assert problems == [[], []]
+
+
+def test_refuses_ranks_not_launched_by_mpirun():
+    with pytest.raises(RanksFailed, match="launch every rank with mpirun"):
+        run_ranks(unmatched_recv, 2, transport="mpi", launcher="spawn", timeout=60)
+
+
+def test_singleton_without_mpirun():
+    assert run_ranks(half_ops_locally, 1, transport="mpi", launcher="spawn", timeout=60) == [[]]
