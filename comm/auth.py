@@ -5,6 +5,7 @@ changes. Built on the standard library's `hmac` and `secrets`: no cryptography b
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -55,11 +56,24 @@ def warn_unauthenticated() -> None:
         print("comm: COMM_SECRET is not set; connections are unauthenticated", file=sys.stderr)
 
 
-def server_handshake(sock: socket.socket, secret: bytes | None, timeout: float) -> None:
-    """Accepting side. Raises HandshakeError (and the caller closes the socket) on any doubt."""
+@contextlib.contextmanager
+def _bounded(sock: socket.socket, timeout: float):
+    """Run a handshake step under `timeout`; any socket trouble becomes a HandshakeError."""
     old = sock.gettimeout()
     sock.settimeout(timeout)
     try:
+        yield
+    except HandshakeError:
+        raise
+    except (OSError, ConnectionError) as e:
+        raise HandshakeError(f"handshake failed: {e}") from None
+    finally:
+        sock.settimeout(old)
+
+
+def server_handshake(sock: socket.socket, secret: bytes | None, timeout: float) -> None:
+    """Accepting side. Raises HandshakeError (and the caller closes the socket) on any doubt."""
+    with _bounded(sock, timeout):
         nonce_s = secrets.token_bytes(NONCE)
         sock.sendall(_hello(secret) + (nonce_s if secret else b""))
         _check_hello(recv_exact(sock, len(MAGIC) + 1), secret, "peer")
@@ -69,19 +83,11 @@ def server_handshake(sock: socket.socket, secret: bytes | None, timeout: float) 
             if not hmac.compare_digest(proof, _mac(secret, b"client", nonce_s, nonce_c)):
                 raise HandshakeError("peer failed the secret challenge (wrong or missing COMM_SECRET)")
             sock.sendall(_mac(secret, b"server", nonce_c, nonce_s))
-    except (OSError, ConnectionError) as e:
-        if isinstance(e, HandshakeError):
-            raise
-        raise HandshakeError(f"handshake failed: {e}") from None
-    finally:
-        sock.settimeout(old)
 
 
 def client_handshake(sock: socket.socket, secret: bytes | None, timeout: float) -> None:
     """Connecting side: proves the secret, then checks that the server knows it too."""
-    old = sock.gettimeout()
-    sock.settimeout(timeout)
-    try:
+    with _bounded(sock, timeout):
         hello = recv_exact(sock, len(MAGIC) + 1)
         sock.sendall(_hello(secret))
         _check_hello(hello, secret, "server")
@@ -92,9 +98,3 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout: float) 
             proof = recv_exact(sock, DIGEST)
             if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
                 raise HandshakeError("server failed the secret challenge")
-    except (OSError, ConnectionError) as e:
-        if isinstance(e, HandshakeError):
-            raise
-        raise HandshakeError(f"handshake failed: {e}") from None
-    finally:
-        sock.settimeout(old)

