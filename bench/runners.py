@@ -225,7 +225,8 @@ class MpiRawRunner(Runner):
         return None
 
     def setup(self, rank, size, addr, port, timeout):
-        from mpi4py import MPI
+        from transports.mpi import load_mpi   # loads MPI without breaking ucxx (see there)
+        MPI = load_mpi()
         super().setup(rank, size, addr, port, timeout)
         if MPI.COMM_WORLD.Get_size() != size or MPI.COMM_WORLD.Get_rank() != rank:
             raise RuntimeError(f"MPI sees rank {MPI.COMM_WORLD.Get_rank()} of {MPI.COMM_WORLD.Get_size()}, "

@@ -141,7 +141,8 @@ def share_address_through_mpi(placement: Placement) -> Placement:
     """Under mpirun without MASTER_ADDR: rank 0 picks its address and a free port, and mpi4py
     broadcasts them. Without mpi4py the user must set MASTER_ADDR/MASTER_PORT."""
     try:
-        from mpi4py import MPI
+        from transports.mpi import load_mpi   # loads MPI without breaking ucxx (see there)
+        MPI = load_mpi()
     except ImportError:
         raise InvalidArgument("launched by mpirun without MASTER_ADDR/MASTER_PORT; set them, or "
                               "install mpi4py so rank 0 can share its address", op="init",

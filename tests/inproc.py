@@ -41,15 +41,13 @@ class Fabric:
         self._lock = threading.Lock()
         self._messages: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
         self._receives: dict[tuple, collections.deque] = collections.defaultdict(collections.deque)
-        self.bytes_sent = [0] * size
 
-    def endpoint(self, rank: int) -> "InprocP2P":
+    def endpoint(self, rank: int) -> InprocP2P:
         return InprocP2P(self, rank)
 
     def deliver(self, src: int, dst: int, tag: int, data: bytes) -> None:
         key = (dst, src, tag)
         with self._lock:
-            self.bytes_sent[src] += len(data)
             if self._receives[key]:
                 self._complete(self._receives[key].popleft(), data, src, tag)
             else:
@@ -115,7 +113,7 @@ def run_threads(n: int, fn, *args, timeout: float = 60) -> list:
     def body(r: int) -> None:
         try:
             results[r] = fn(fabric.endpoint(r), *args)
-        except BaseException as e:  # reported to the test below
+        except BaseException as e:  # noqa: BLE001  (re-raised in the test thread below)
             errors[r] = e
 
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n)]

@@ -11,16 +11,22 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from inproc import run_threads
+from reference import ALL_DTYPES, as_f64, empty, make, mismatch, ops_for, reduce, values
 
 from comm.algorithms import collective_tag, run
 from comm.algorithms import reduce as kernels
-from comm.algorithms.topology import (binomial_children, binomial_parent, rd_fold, rd_partners,
-                                      rd_real_rank, segment_bounds)
+from comm.algorithms.topology import (
+    binomial_children,
+    binomial_parent,
+    rd_fold,
+    rd_partners,
+    rd_real_rank,
+    segment_bounds,
+)
 from comm.buffers import as_buffer
 from comm.errors import CommTimeout, Mismatch
 from comm.types import DType, ReduceOp
-from inproc import run_threads
-from reference import ALL_DTYPES, as_f64, empty, make, mismatch, ops_for, reduce, values
 from transports.base import OpDesc, OpKind
 
 RANKS = range(1, 10)
@@ -41,8 +47,8 @@ class Caller:
         self.seq += 1
         buf = lambda x: None if x is None else as_buffer(x, op=kind.label, writable=True)
         desc = OpDesc(kind, buf(send), buf(recv), dtype, count, op, scale, root,
-                      send_counts=send_counts, recv_counts=recv_counts, seq=self.seq)
-        run(desc, self.p2p, timeout=30, chunk_bytes=self.chunk_bytes, algo=self.algo)
+                      send_counts=send_counts, recv_counts=recv_counts)
+        run(desc, self.p2p, seq=self.seq, timeout=30, chunk_bytes=self.chunk_bytes, algo=self.algo)
 
 
 def _check(problems, got, want, dtype, what):
@@ -211,8 +217,8 @@ def _lonely(p2p):
     if p2p.rank == 0:
         x = np.zeros(3, np.float32)
         desc = OpDesc(OpKind.ALL_REDUCE, as_buffer(x, op="t", writable=True),
-                      as_buffer(x, op="t", writable=True), DType.FLOAT32, 3, seq=1)
-        run(desc, p2p, timeout=0.3, chunk_bytes=1 << 20)
+                      as_buffer(x, op="t", writable=True), DType.FLOAT32, 3)
+        run(desc, p2p, seq=1, timeout=0.3, chunk_bytes=1 << 20)
 
 
 def test_wait_is_bounded_by_the_timeout():
@@ -280,7 +286,7 @@ def test_tree_and_doubling_arithmetic(n):
     for count in (0, 1, n - 1, n, 5 * n + 3):
         bounds = [segment_bounds(count, n, i) for i in range(n)]
         assert bounds[0][0] == 0 and bounds[-1][1] == count
-        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
 
 
 # ---- properties ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from comm.communicator import Communicator
 from comm.errors import InvalidArgument, Mismatch
 from inproc import run_threads
 from transports import base
-from transports.base import BootstrapContext, CompletedRequest, OpKind, Request, Transport
+from transports.base import BootstrapContext, CollectiveQueue, OpKind, Request, Transport
 
 # ---- a real Communicator over tests/inproc.py's thread fabric ---------------------------------
 # Collectives run through comm.algorithms, send/recv through the fabric: the Communicator's
@@ -41,19 +41,19 @@ class ThreadTransport(Transport):
 
     def __init__(self, p2p):
         self.p2p, self.rank, self.size = p2p, p2p.rank, p2p.size
+        self._collectives = CollectiveQueue(p2p, f"threads-{p2p.rank}", timeout=30,
+                                            chunk_bytes=1 << 20, algo=None)
 
     @classmethod
     def create(cls, ctx):
         raise NotImplementedError("made by thread_world() only")
 
     def post(self, desc, blocking):
-        from comm.algorithms import run
         if desc.kind is OpKind.SEND:
             return _FabricRequest(self.p2p, self.p2p.isend(desc.peer, desc.tag, desc.send.numpy()))
         if desc.kind is OpKind.RECV:
             return _FabricRequest(self.p2p, self.p2p.irecv(desc.peer, desc.tag, desc.recv.numpy()))
-        run(desc, self.p2p, timeout=30, chunk_bytes=1 << 20)
-        return CompletedRequest()
+        return self._collectives.post(desc, blocking)
 
 
 def thread_world(n: int, fn, *args) -> list:

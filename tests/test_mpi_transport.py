@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from harness import RanksFailed, run_ranks
+from reference import make, mismatch, ops_for, reduce, values
 
 from comm.buffers import as_buffer
 from comm.types import DType, ReduceOp
-from harness import RanksFailed, run_ranks
-from reference import make, mismatch, ops_for, reduce, values
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("mpi") is not None,
@@ -62,7 +62,7 @@ def test_half_precision_all_reduce_across_ranks(cluster, n):
 
 
 def nested_splits(world):
-    problems, r, n = [], world.rank, world.size
+    problems, r = [], world.rank
     outer = world.split(0 if r < 3 else None)        # rank 3 joins nothing
     if r == 3:
         return [] if outer is None else ["rank 3 got a group"]

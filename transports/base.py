@@ -136,6 +136,35 @@ class ProgressThread:
             self._thread.join(timeout=5)
 
 
+class CollectiveQueue:
+    """The collectives of a point-to-point transport (UCX, verbs), from comm.algorithms.
+
+    Numbers them alike on every rank (the tag of each comes from that number, so it must not
+    count send/recv, which ranks post differently) and runs them in posting order: inline
+    when the caller will block and nothing is queued, else on a ProgressThread."""
+
+    def __init__(self, p2p, name: str, *, timeout: float, chunk_bytes: int, algo: str | None):
+        self._p2p = p2p
+        self._timeout, self._chunk_bytes, self._algo = timeout, chunk_bytes, algo
+        self._count = 0
+        self._thread = ProgressThread(name)
+
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        self._count += 1
+        if blocking and self._thread.idle:
+            self._run(desc, self._count)
+            return CompletedRequest()
+        return self._thread.submit(self._run, desc, self._count)
+
+    def _run(self, desc: OpDesc, seq: int) -> None:
+        from comm.algorithms import run
+        run(desc, self._p2p, seq=seq, timeout=self._timeout, chunk_bytes=self._chunk_bytes,
+            algo=self._algo)
+
+    def stop(self) -> None:
+        self._thread.stop()
+
+
 _REGISTRY: dict[str, type[Transport]] = {}
 _MODULES = {"native": "transports.native", "mpi": "transports.mpi", "ucx": "transports.ucx",
             "nccl": "transports.nccl", "verbs": "transports.verbs"}

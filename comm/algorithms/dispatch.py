@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from comm.errors import InvalidArgument
-from transports.base import OpDesc, OpKind
+from comm.ops import OpDesc, OpKind
 
 from .binomial_broadcast import binomial_broadcast
 from .binomial_reduce import binomial_reduce
@@ -59,12 +59,15 @@ def _tree_all_reduce(ex: Exchange, red: Reduction, send, recv, chunk: int) -> No
 _ALL_REDUCE = {"ring": ring_all_reduce, "rd": rd_all_reduce, "tree": _tree_all_reduce}
 
 
-def run(desc: OpDesc, p2p: P2P, *, timeout: float | None, chunk_bytes: int, algo: str | None = None) -> None:
+def run(desc: OpDesc, p2p: P2P, *, seq: int, timeout: float | None, chunk_bytes: int,
+        algo: str | None = None) -> None:
     """Run collective `desc` (validated by the Communicator) to completion over `p2p`.
 
-    Every wait is bounded by `timeout` seconds for the whole collective. chunk_bytes bounds
-    the temporaries (and pipelines trees); algo is COMM_ALGO (None: choose by size)."""
-    ex = Exchange(p2p, collective_tag(desc.seq), timeout)
+    seq numbers the group's collectives (not desc.seq, which counts point-to-point operations
+    too, so it differs between ranks): it makes the tag. Every wait is bounded by `timeout`
+    seconds for the whole collective. chunk_bytes bounds the temporaries (and pipelines
+    trees); algo is COMM_ALGO (None: choose by size)."""
+    ex = Exchange(p2p, collective_tag(seq), timeout)
     chunk = max(1, chunk_bytes // desc.dtype.itemsize)
     kind = desc.kind
     send, recv = _arrays(desc)

@@ -12,7 +12,8 @@ peer in the same order).
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class P2P(Protocol):
 class Exchange:
     """One collective's messages: its tag, and the deadline every wait is bounded by."""
 
-    __slots__ = ("p2p", "rank", "size", "tag", "_deadline", "_timeout")
+    __slots__ = ("_deadline", "_timeout", "p2p", "rank", "size", "tag")
 
     def __init__(self, p2p: P2P, tag: int, timeout: float | None):
         self.p2p = p2p

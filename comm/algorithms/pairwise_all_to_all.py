@@ -15,7 +15,7 @@ from .p2p import Exchange
 
 def _blocks(arr: np.ndarray, counts) -> list[np.ndarray]:
     bounds = [0, *itertools.accumulate(counts)]
-    return [arr[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [arr[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 def pairwise_all_to_all(ex: Exchange, send: np.ndarray, recv: np.ndarray,

@@ -13,9 +13,9 @@ copy is ever made.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from dataclasses import dataclass
+
+import numpy as np
 
 from comm.types import DType, ReduceOp
 

@@ -5,7 +5,6 @@ and reduce) cannot disagree about who talks to whom.
 """
 from __future__ import annotations
 
-
 # ---- ring -------------------------------------------------------------------------------------
 
 def ring_neighbours(rank: int, size: int) -> tuple[int, int]:

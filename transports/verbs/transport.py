@@ -12,11 +12,11 @@ import dataclasses
 import numpy as np
 
 from comm import config
-from comm.algorithms import run as run_collective
 from comm.buffers import Buffer
 from comm.errors import CommError, TransportUnavailable
 
-from ..base import BootstrapContext, OpDesc, OpKind, ProgressThread, Request, Transport, register
+from ..base import (BootstrapContext, CollectiveQueue, OpDesc, OpKind, Request, Transport,
+                    register)
 from . import device as dev
 from .engine import Engine, Message
 from .wire import WireError
@@ -55,8 +55,9 @@ class VerbsTransport(Transport):
     def __init__(self, ctx: BootstrapContext, engine: Engine):
         self.rank, self.size = ctx.rank, ctx.size
         self._engine = engine
-        self._timeout = ctx.timeout
-        self._thread = ProgressThread(f"comm-verbs-{ctx.group_name}")
+        self._collectives = _StagedCollectives(engine, f"comm-verbs-{ctx.group_name}",
+                                               timeout=ctx.timeout, chunk_bytes=config.get("COMM_CHUNK_BYTES"),
+                                               algo=config.get("COMM_ALGO"))
         self._closed = False
 
     @classmethod
@@ -86,7 +87,7 @@ class VerbsTransport(Transport):
             return MessageRequest(self._engine, self._message(desc.send, desc, send=True))
         if desc.kind is OpKind.RECV:
             return MessageRequest(self._engine, self._message(desc.recv, desc, send=False))
-        return self._thread.submit(self._collective, desc)
+        return self._collectives.post(desc, blocking)
 
     def _message(self, buf: Buffer, desc: OpDesc, send: bool) -> Message:
         if buf.device == "cuda" and send:
@@ -94,15 +95,6 @@ class VerbsTransport(Transport):
             dev.cuda_sync()
         post = self._engine.send_range if send else self._engine.recv_range
         return post(desc.peer, desc.tag, buf.ptr, buf.nbytes, buf.device, buf.device_index, buf.obj)
-
-    def _collective(self, desc: OpDesc) -> None:
-        host, copy_back = stage_on_host(desc)
-        try:
-            run_collective(host, self._engine, timeout=self._timeout,
-                           chunk_bytes=config.get("COMM_CHUNK_BYTES"), algo=config.get("COMM_ALGO"))
-        finally:
-            self._engine.forget_unowned()
-        copy_back()
 
     def abort(self) -> None:
         self._engine.abort()
@@ -112,8 +104,20 @@ class VerbsTransport(Transport):
             return
         self._closed = True
         self._engine.abort()      # a collective still queued fails instead of running
-        self._thread.stop()
+        self._collectives.stop()
         self._engine.close()
+
+
+class _StagedCollectives(CollectiveQueue):
+    """Collectives over the engine, CUDA buffers staged through host memory."""
+
+    def _run(self, desc: OpDesc, seq: int) -> None:
+        host, copy_back = stage_on_host(desc)
+        try:
+            super()._run(host, seq)
+        finally:
+            self._p2p.forget_unowned()
+        copy_back()
 
 
 def stage_on_host(desc: OpDesc):

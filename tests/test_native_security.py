@@ -1,0 +1,100 @@
+"""The native transport's own doors: shared-memory segments and the data-connection listener.
+
+Segments are created exclusively with mode 0600 under unguessable names; strangers that connect
+to a rank's listener during set-up with random or truncated bytes, or with a wrong secret, are
+dropped, and the real job still connects and computes correctly."""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import stat
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import comm
+from comm import auth
+from comm.store import Store
+from harness import free_port
+from transports import base
+
+pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
+                                reason=f"native: {base.unavailable_reason('native')}")
+
+
+def _engine():
+    from comm import _native
+    return _native.Engine(0, 2, [0, 1], 5.0, "", 1 << 19, 32 << 10)
+
+
+def test_shm_segment_exclusive_and_private():
+    first, second = _engine(), _engine()
+    name = "/comm-" + secrets.token_hex(16)
+    try:
+        first.shm_create(name)
+        mode = stat.S_IMODE(os.stat("/dev/shm" + name).st_mode)
+        assert mode == 0o600, oct(mode)
+        with pytest.raises(Exception, match="File exists"):
+            second.shm_create(name)           # O_EXCL: nobody can pre-create or hijack it
+    finally:
+        first.shm_unlink()
+        first.close()
+        second.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def _stranger(addr: str, port: int, payload: bytes, secret: bytes | None) -> None:
+    """Connect to a rank's data listener and misbehave in one of several ways."""
+    try:
+        with socket.create_connection((addr, port), timeout=5) as s:
+            s.settimeout(5)
+            if secret is not None:               # a well-formed handshake with a wrong secret
+                auth.client_handshake(s, secret, 5)
+            s.sendall(payload)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(4096):
+                pass
+    except (OSError, auth.HandshakeError):
+        pass                                     # being dropped is the expected outcome
+
+
+def _rank(rank: int, port: int, results: dict) -> None:
+    try:
+        with comm.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
+                       timeout=30) as world:
+            x = np.full(1000, float(rank + 1), np.float32)
+            world.all_reduce(x)
+            results[rank] = float(x[0])
+    except BaseException as e:  # reported by the test thread
+        results[rank] = e
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=st.one_of(st.binary(max_size=200), st.just(auth.MAGIC[:3]),
+                         st.builds(lambda t: auth.MAGIC + b"\1" + t, st.binary(max_size=100))),
+       wrong_secret=st.booleans())
+def test_strangers_on_the_data_listener(monkeypatch, payload, wrong_secret):
+    monkeypatch.setenv("COMM_SECRET", "the-real-secret")
+    port, results = free_port(), {}
+    rank0 = threading.Thread(target=_rank, args=(0, port, results))
+    rank0.start()
+    # read rank 0's published listener the way an insider of the store would
+    spy = Store("127.0.0.1", port, rank=1, size=2, timeout=20, secret=b"the-real-secret")
+    info = json.loads(spy.get("world/native/info/0"))
+    spy.close()
+    # rank 0 accepts only once rank 1 has arrived, so the strangers queue up ahead of rank 1
+    strangers = [threading.Thread(target=_stranger, args=(info["addr"], info["port"], payload,
+                                                          b"wrong" if wrong_secret else None))
+                 for _ in range(3)]
+    for t in strangers:
+        t.start()
+    rank1 = threading.Thread(target=_rank, args=(1, port, results))
+    rank1.start()
+    for t in [rank0, rank1] + strangers:
+        t.join(60)
+    assert results == {0: 3.0, 1: 3.0}, results
