@@ -12,6 +12,7 @@ import os
 from . import config, rendezvous
 from .buffers import Buffer
 from .communicator import Communicator, connect
+from .p2p import P2POp
 from .store import Store
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                      PeerFailure, TransportUnavailable)
@@ -28,7 +29,7 @@ BOR = ReduceOp.BOR
 BXOR = ReduceOp.BXOR
 PREMUL_SUM = ReduceOp.PREMUL_SUM
 
-__all__ = ["init", "Communicator", "Work", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
+__all__ = ["init", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
            "CommError", "InvalidArgument", "CommTimeout", "PeerFailure", "Aborted", "Closed",
            "Mismatch", "TransportUnavailable",
            "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
@@ -95,3 +96,11 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     except BaseException:
         store.close()
         raise
+
+
+def _torch_autoload() -> None:
+    """Entry point of torch's `torch.backends` group, called at `import torch`: registers the
+    "comm" process-group backend. It lives here, not in comm.torch_backend, because that module
+    imports torch itself: when it is what triggered `import torch`, this import returns the
+    half-imported module, which registers the backend as its import finishes."""
+    import comm.torch_backend  # noqa: F401

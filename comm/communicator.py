@@ -278,7 +278,7 @@ class Communicator:
         return self._p2p(OpKind.RECV, x, src, tag, True)
 
     def batch_p2p(self, ops) -> list[Work]:
-        """Post many comm.p2p.P2POp at once, sends first (no deadlock in any order)."""
+        """Post many comm.P2POp (isend / irecv) at once; any order completes. Returns their Works."""
         from .p2p import batch_p2p
         return batch_p2p(self, ops)
 

@@ -4,15 +4,11 @@
     for work in group.batch_p2p(ops):
         work.wait()
 
-Sends are posted before receives, whatever order the ops are listed in. A transport that
-progresses its operations one at a time in posting order (the native engine does) lets a
-posted receive hold up everything posted after it until its message arrives, so two ranks
-that both receive first would wait for each other forever. A send, on the other hand,
-completes once the peer's transport has taken its bytes (the native engine parks messages no
-receive is waiting for yet), so with sends first no send ever waits behind a receive. On
-transports whose isend / irecv progress independently (MPI, UCX) the order does not matter.
-Messages with the same (peer, tag) keep their relative order, as the transports match them
-in posting order.
+Every transport here progresses isend / irecv independently of posting order, so any
+order of a batch completes (the native engine matches per (peer, tag) and parks messages no
+receive is waiting for yet). Sends are still posted first: their bytes start moving while
+the receives are being posted. Messages with the same (peer, tag) keep their relative
+order, as the transports match them in posting order.
 """
 from __future__ import annotations
 

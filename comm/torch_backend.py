@@ -8,7 +8,7 @@ hands to the backend factory, so every new_group / DeviceMesh dimension gets its
 communicator without another rendezvous.
 
 Registration: ``import comm.torch_backend`` (or, when the package is installed, nothing: the
-``torch.backends`` entry point calls ``_autoload`` at ``import torch``).
+``torch.backends`` entry point calls ``comm._torch_autoload`` at ``import torch``).
 
 Asynchronous operations return a ``TorchWork`` whose future completes without anyone calling
 wait(): one completion thread per communicator waits on the transport's requests in posting
@@ -552,12 +552,6 @@ def register() -> None:
     """Make "comm" a torch.distributed backend name (idempotent)."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-
-
-def _autoload() -> None:
-    """Entry point of the `torch.backends` group: torch calls it at `import torch`."""
-    if dist.is_available():
-        register()
 
 
 register()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
 import shutil
 import signal
 import socket
@@ -75,6 +76,18 @@ class Cluster:
                  env: dict | None = None, init: bool = True, timeout: float = 120,
                  netns: list[str] | None = None):
         self.n, self.transport, self.launcher = n, transport, launcher
+        for attempt in range(3):
+            try:
+                self._start(env, init, timeout, netns)
+                return
+            except RanksFailed as e:
+                # the free port we picked can be taken before rank 0 binds it: pick another
+                port_race = any("Address already in use" in tb for tb in e.failures.values())
+                if attempt == 2 or not port_race or "MASTER_PORT" in (env or {}):
+                    raise
+
+    def _start(self, env, init, timeout, netns) -> None:
+        n = self.n
         self.broken = False
         # a filesystem Unix socket: reachable from ranks in other network namespaces too
         self._dir = tempfile.mkdtemp(prefix="comm-test-")
@@ -83,7 +96,7 @@ class Cluster:
         self._listener.bind(control)
         self._listener.listen(n)
         base = dict(os.environ)
-        base.update({"COMM_TEST_CONTROL": control, "COMM_TEST_TRANSPORT": transport,
+        base.update({"COMM_TEST_CONTROL": control, "COMM_TEST_TRANSPORT": self.transport,
                      "COMM_TEST_INIT": "1" if init else "0",
                      "PYTHONPATH": os.pathsep.join([HERE, ROOT, base.get("PYTHONPATH", "")]),
                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
@@ -91,7 +104,7 @@ class Cluster:
         base.update(env or {})
         worker = [sys.executable, os.path.join(HERE, "rank_worker.py")]
         self.procs: list[subprocess.Popen] = []
-        if launcher == "mpirun":
+        if self.launcher == "mpirun":
             if mpirun() is None:
                 raise RuntimeError("mpirun not found")
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -111,14 +124,33 @@ class Cluster:
                 conn, _ = self._listener.accept()
                 rank = _recv(conn)
                 self.conns[rank] = conn
-            ready = [self._reply(r, timeout) for r in range(n)]
+            failures = self._await_ready(timeout)
         except BaseException:
             self.kill()
+            self.close()
             raise
-        failures = {r: tb for r, (ok, tb) in enumerate(ready) if not ok}
         if failures:
             self.kill()
+            self.close()
             raise RanksFailed(failures)
+
+    def _await_ready(self, timeout: float) -> dict[int, str]:
+        """Each rank's start-up report; returns at the first failure (the others may be
+        waiting for the failed rank until their own timeout)."""
+        pending, failures = set(range(self.n)), {}
+        deadline = time.monotonic() + timeout
+        while pending and not failures:
+            ready, _, _ = select.select([self.conns[r] for r in pending], [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError(f"ranks {sorted(pending)} did not start within {timeout} s")
+            for conn in ready:
+                r = self.conns.index(conn)
+                pending.discard(r)
+                ok, tb = _recv(conn)
+                if not ok:
+                    failures[r] = tb
+        return failures
 
     def _reply(self, rank: int, timeout: float):
         conn = self.conns[rank]

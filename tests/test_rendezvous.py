@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 
 import comm
@@ -98,3 +99,29 @@ def test_torchrun_agent_store(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout, out.stdout
+
+
+def test_bind_address_from_interface(monkeypatch):
+    monkeypatch.setenv("COMM_IFNAME", "lo")
+    assert rendezvous.bind_address() == "127.0.0.1"
+    monkeypatch.setenv("COMM_BIND_ADDR", "127.0.0.2")   # an explicit address wins
+    assert rendezvous.bind_address() == "127.0.0.2"
+
+
+def test_unknown_interface_refused(monkeypatch):
+    monkeypatch.setenv("COMM_IFNAME", "nosuchif0")
+    with pytest.raises(comm.InvalidArgument, match="COMM_IFNAME='nosuchif0'"):
+        comm.init()
+
+
+def bound_peer_address(world):
+    x = np.ones(4)
+    world.all_reduce(x)
+    return world._ctx.bind_addr, float(x[0])
+
+
+@pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
+def test_job_on_named_interface():
+    """COMM_IFNAME reaches the transport: every rank binds its listener to lo's address."""
+    results = run_ranks(bound_peer_address, 2, env={"COMM_IFNAME": "lo", "COMM_CHANNELS": "tcp"})
+    assert results == [("127.0.0.1", 2.0), ("127.0.0.1", 2.0)]
