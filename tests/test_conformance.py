@@ -11,7 +11,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import comm
 from comm.types import DType, ReduceOp
 from reference import ALL_DTYPES, empty, make, mismatch, ops_for, reduce, values
 from transports import base

@@ -200,8 +200,7 @@ def soak(world, iterations, seed):
     from reference import make, mismatch, reduce, values
     from comm.types import DType, ReduceOp
     rng = np.random.default_rng(seed)            # same sequence on every rank
-    n, r = world.size, world.rank
-    halves = world.split(r % 2)
+    halves = world.split(world.rank % 2)
     fds0 = len(os.listdir("/proc/self/fd"))
     wrong, rss = [], []
     dtypes = [DType.FLOAT32, DType.FLOAT64, DType.INT32, DType.BFLOAT16, DType.UINT8]

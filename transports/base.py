@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import abc
 import importlib
+import os
 import queue
 import threading
+import time
 from typing import ClassVar
 
 from comm.errors import CommError, CommTimeout, TransportUnavailable
@@ -66,6 +68,26 @@ class Transport(abc.ABC):
 
     def close(self) -> None:
         """Release connections and memory. Idempotent."""
+
+
+def poll_until(done, timeout: float | None, timed_out) -> None:
+    """Call done() until it is true, else raise timed_out() after `timeout` seconds.
+
+    For libraries that progress only while someone calls them (MPI's non-blocking
+    collectives, UCX workers): a waiter that sleeps early stalls its peers' rounds too, so
+    it polls, yielding the core, for the first milliseconds, then backs off to sleeps of up
+    to 1 ms for long waits. (Not sleep(0) while polling: timer slack makes any sleep ~50 us.)"""
+    start = time.monotonic()
+    spin_until, pause = start + 5e-3, 10e-6
+    while not done():
+        now = time.monotonic()
+        if timeout is not None and now - start > timeout:
+            raise timed_out()
+        if now < spin_until:
+            os.sched_yield()
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
 
 
 class ThreadRequest(Request):

@@ -13,7 +13,6 @@ MPI's blocking functions for blocking operations: a few us faster, but they cann
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import numpy as np
 
@@ -36,6 +35,7 @@ from .base import (
     OpKind,
     Request,
     Transport,
+    poll_until,
     register,
 )
 
@@ -70,19 +70,8 @@ class MPIRequest(Request):
         return self._completed()
 
     def wait(self, timeout: float | None = None) -> None:
-        # Spin briefly (completions within microseconds are the common case), then back off
-        # to sleeps of up to 1 ms so waiting ranks leave the CPU to the ones working.
-        start = time.monotonic()
-        spin_until, pause = start + 50e-6, 10e-6
-        while not self._completed():
-            now = time.monotonic()
-            if timeout is not None and now - start > timeout:
-                raise CommTimeout(f"not completed within {timeout:g} s (a peer is slow, hung or "
-                                  "calling a different operation)")
-            if now > spin_until:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
-
+        poll_until(self._completed, timeout, lambda: CommTimeout(
+            f"not completed within {timeout:g} s (a peer is slow, hung or calling a different operation)"))
 
 def _error(e) -> CommError:
     return CommError(f"MPI error: {e.Get_error_string()}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import struct
 import sys
-import time
 
 import numpy as np
 
@@ -43,6 +42,7 @@ from .base import (
     CollectiveQueue,
     Request,
     Transport,
+    poll_until,
     register,
 )
 
@@ -165,23 +165,15 @@ class UCXTransport(Transport):
         return True
 
     def wait(self, handles, timeout: float | None) -> None:
-        # Progress (in _done) and spin briefly, then sleep with backoff up to 1 ms between
-        # progress calls, so ranks sharing a core leave it to the one that has work.
-        start = time.monotonic()
-        spin_until, pause = start + 50e-6, 10e-6
         pending = list(handles)
-        while pending:
-            pending = [m for m in pending if not self._done(m)]
-            if not pending:
-                return
-            now = time.monotonic()
-            if timeout is not None and now - start > timeout:
-                peers = sorted({m.peer for m in pending})
-                raise CommTimeout(f"no progress with rank(s) {peers} within {timeout:g} s (slow, hung, "
-                                  "or calling a different operation)")
-            if now > spin_until:
-                time.sleep(pause)
-                pause = min(pause * 2, 1e-3)
+
+        def done() -> bool:  # progresses the worker (in _done) on every poll
+            pending[:] = [m for m in pending if not self._done(m)]
+            return not pending
+
+        poll_until(done, timeout, lambda: CommTimeout(
+            f"no progress with rank(s) {sorted({m.peer for m in pending})} within {timeout:g} s "
+            "(slow, hung, or calling a different operation)"))
 
     # ---- Transport -----------------------------------------------------------------------------
     def post(self, desc: OpDesc, blocking: bool) -> Request:

@@ -44,10 +44,11 @@ constexpr Row kTable[] = {
 // Recursive doubling sends the whole buffer log2(n) times: only worth it while latency,
 // not bandwidth, dominates.
 constexpr size_t kRdMaxBytes = 64 << 10;
-// Below this the single-copy path loses to the ring over shared-memory channels: its three
-// flag rounds and per-call page pinning cost more than the extra copy saves (measured on
-// 2 cores: 1 MiB ring 100 us, cma 250 us; 4 MiB cma 2.0 ms, ring 3.1 ms).
-constexpr size_t kCmaMinBytes = 2 << 20;
+// Below this the single-copy path loses to the ring over shared-memory channels: while the
+// data fits in cache the ring's extra copy is cheap, and cma's flag rounds and per-call page
+// pinning are not (2 ranks on 2 quiet cores, busbw GB/s: 2 MiB ring 16.7 / cma 5.9, 4 MiB
+// 15.6 / 6.2, 8-16 MiB about even, 32 MiB 6.7 / 8.1, 64 MiB 6.6 / 7.6).
+constexpr size_t kCmaMinBytes = 8 << 20;
 
 const Row* find(const char* name, const Comm& c, const Coll& op) {
   for (const Row& row : kTable)
