@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -235,6 +236,26 @@ class Cluster:
                 conn.close()
         self._listener.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def abort_while_blocked(world, block) -> tuple[str, float]:
+    """Run block() on a thread, abort the communicator from this one 0.3 s later; returns
+    the error type block() ended with and the seconds from abort() to its end."""
+    errors: list[str] = []
+
+    def run() -> None:
+        try:
+            block()
+        except Exception as e:  # the error type is the result
+            errors.append(type(e).__name__)
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.3)
+    start = time.perf_counter()
+    world.abort()
+    t.join(5)
+    return (errors[0] if errors else "still blocked"), time.perf_counter() - start
 
 
 def _getpid(world, *args):

@@ -2,14 +2,13 @@
 and shared-memory hygiene."""
 import glob
 import os
-import threading
 import time
 
 import numpy as np
 import pytest
 
 import comm
-from harness import Cluster, run_ranks
+from harness import Cluster, abort_while_blocked, run_ranks
 
 
 def _all_reduce_3gib(world):
@@ -136,21 +135,7 @@ def _abort_from_thread(world):
     if world.rank == 1:
         time.sleep(3)
         return "idle", 0.0
-    errors = []
-
-    def blocked():
-        try:
-            world.all_reduce(np.ones(10, np.float32))
-        except comm.CommError as e:
-            errors.append(type(e).__name__)
-
-    t = threading.Thread(target=blocked)
-    t.start()
-    time.sleep(0.3)
-    start = time.perf_counter()
-    world.abort()
-    t.join(5)
-    return (errors[0] if errors else "still blocked"), time.perf_counter() - start
+    return abort_while_blocked(world, lambda: world.all_reduce(np.ones(10, np.float32)))
 
 
 def test_abort_unblocks_a_waiting_thread():

@@ -4,14 +4,13 @@ Any posting order of isend / irecv completes; same (peer, tag) messages match in
 different tags in any order; p2p progresses independently of collectives; failures are
 bounded by the timeout and reported, never silent."""
 import random
-import threading
 import time
 
 import numpy as np
 import pytest
 
 import comm
-from harness import Cluster, run_ranks
+from harness import Cluster, abort_while_blocked, run_ranks
 
 CHANNELS = ["auto", "tcp"]
 
@@ -226,22 +225,8 @@ def _abort_waiting_irecv(world):
     if world.rank == 1:
         time.sleep(3)
         return "idle", 0.0
-    errors = []
     w = world.irecv(np.zeros(4, np.float32), 1)
-
-    def blocked():
-        try:
-            w.wait()
-        except comm.CommError as e:
-            errors.append(type(e).__name__)
-
-    t = threading.Thread(target=blocked)
-    t.start()
-    time.sleep(0.3)
-    start = time.perf_counter()
-    world.abort()
-    t.join(5)
-    return (errors[0] if errors else "still blocked"), time.perf_counter() - start
+    return abort_while_blocked(world, w.wait)
 
 
 def test_abort_unblocks_a_waiting_irecv():
