@@ -124,6 +124,8 @@ def test_mismatch_detected(case):
         assert got is not None, f"rank {r}: mismatched '{case}' was not detected"
         kind, text = got
         assert kind in ("Mismatch", "CommTimeout"), f"rank {r}: {text}"
+        if kind == "Mismatch":   # names the other rank and what each side called
+            assert f"rank {1 - r} sent " in text and "but this rank expected" in text, text
     assert any(kind == "Mismatch" for kind, _ in results), results
 
 

@@ -4,10 +4,20 @@
 
 namespace comm {
 
+// Names as the user wrote them (Python's DType / ReduceOp); the header is checked before use,
+// so out-of-range codes from a corrupt or hostile peer print as numbers.
+static std::string code_name(unsigned v, const char* const* names, unsigned n) {
+  return v < n ? names[v] : std::to_string(v);
+}
+
 static std::string describe(const WireHeader& h) {
+  static const char* const dtypes[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                       "int16", "int32", "int64", "uint8", "bool"};
+  static const char* const ops[] = {"SUM", "PRODUCT", "MIN", "MAX", "AVG",
+                                    "BAND", "BOR", "BXOR", "PREMUL_SUM"};
   return std::string(h.kind < static_cast<int>(OpKind::COUNT) ? kind_name(static_cast<OpKind>(h.kind)) : "?") +
-         "(seq=" + std::to_string(h.seq) + ", dtype=" + std::to_string(h.dtype) +
-         ", op=" + std::to_string(h.op) + ", count=" + std::to_string(h.count) +
+         "(seq=" + std::to_string(h.seq) + ", dtype=" + code_name(h.dtype, dtypes, 10) +
+         ", op=" + code_name(h.op, ops, 9) + ", count=" + std::to_string(h.count) +
          ", root=" + std::to_string(h.root) + ", bytes=" + std::to_string(h.len) + ")";
 }
 
