@@ -25,7 +25,7 @@ def _opt_str(s: str) -> str | None:
 VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs."),
     Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", float),
-    Variable("COMM_ALGO", "", "Force a native algorithm: ring, tree, rd (recursive doubling), direct (shm). Empty: choose by size and topology.", _opt_str),
+    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination (native); ring, rd, tree (ucx, verbs). Empty: choose by size and topology.", _opt_str),
     Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only)."),
     Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", int),
     Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the native ring algorithms, in bytes.", int),

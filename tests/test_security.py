@@ -66,7 +66,7 @@ def _raw(port: int, payload: bytes, read: bool = True) -> bytes:
                     break
                 data += chunk
             return data
-        except (ConnectionResetError, BrokenPipeError):
+        except OSError:   # reset, broken pipe, not connected: the server dropped us early
             return b""
 
 
