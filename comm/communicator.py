@@ -8,6 +8,7 @@ calls fail at once with the original cause instead of hanging.
 from __future__ import annotations
 
 import itertools
+import operator
 import struct
 
 from . import auth, config, rendezvous
@@ -79,7 +80,10 @@ class Communicator:
             raise self._error(op, f"input is on {a.device}, output on {b.device}")
 
     def _reduce_op(self, op_name: str, op, buf: Buffer, scale: float | None) -> tuple[ReduceOp, float]:
-        rop = _REDUCE_OPS.get(op) if type(op) is not PremulSum else None
+        try:
+            rop = _REDUCE_OPS.get(op) if type(op) is not PremulSum else None
+        except TypeError:  # unhashable: certainly no op
+            rop = None
         if rop is None:
             if type(op) is not PremulSum:
                 raise self._error(op_name, f"unknown reduce op {op!r}")
@@ -93,9 +97,13 @@ class Communicator:
         return rop, factor
 
     def _root(self, op: str, root: int, what: str = "root") -> int:
-        if not isinstance(root, int) or isinstance(root, bool) or not 0 <= root < self.size:
+        try:  # any integer type (numpy's too), but not bool or float
+            rank = operator.index(root) if not isinstance(root, bool) else None
+        except TypeError:
+            rank = None
+        if rank is None or not 0 <= rank < self.size:
             raise self._error(op, f"{what} {root!r} is out of range for a group of {self.size}")
-        return root
+        return rank
 
     def _count_match(self, op: str, got: int, want: int, what: str) -> None:
         if got != want:
@@ -257,10 +265,14 @@ class Communicator:
         peer = self._root(name, peer, "dst" if kind is OpKind.SEND else "src")
         if peer == self.rank:
             raise self._error(name, "cannot send to or receive from itself")
-        if not isinstance(tag, int) or not 0 <= tag < 2**31:
+        try:
+            tag_value = operator.index(tag)
+        except TypeError:
+            tag_value = -1
+        if not 0 <= tag_value < 2**31:
             raise self._error(name, f"tag {tag!r} must be an integer in [0, 2**31)")
         desc = OpDesc(kind, buf if kind is OpKind.SEND else None, buf if kind is OpKind.RECV else None,
-                      buf.dtype, buf.count, peer=peer, tag=tag)
+                      buf.dtype, buf.count, peer=peer, tag=tag_value)
         return self._post(desc, async_op)
 
     def send(self, x, dst: int, tag: int = 0) -> None:
