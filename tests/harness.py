@@ -238,6 +238,12 @@ class Cluster:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def assert_no_problems(per_rank) -> None:
+    """Rank-side checks return lists of problems (strings); fail with the first of them."""
+    flat = [p for problems in per_rank for p in problems]
+    assert not flat, "\n".join(flat[:20])
+
+
 def abort_while_blocked(world, block) -> tuple[str, float]:
     """Run block() on a thread, abort the communicator from this one 0.3 s later; returns
     the error type block() ended with and the seconds from abort() to its end."""

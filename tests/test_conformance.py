@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from comm.types import DType, ReduceOp
+from harness import assert_no_problems
 from reference import ALL_DTYPES, empty, make, mismatch, ops_for, reduce, values
 from transports import base
 
@@ -35,9 +36,7 @@ def transport(request):
 
 def _run(cluster, transport, n, fn, *args, timeout=300):
     name, launcher = transport
-    problems = cluster(n, name, launcher).run(fn, *args, timeout=timeout)
-    flat = [p for rank_problems in problems for p in rank_problems]
-    assert not flat, "\n".join(flat[:20])
+    assert_no_problems(cluster(n, name, launcher).run(fn, *args, timeout=timeout))
 
 
 # ---- rank-side checks -------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import RanksFailed, run_ranks
+from harness import RanksFailed, assert_no_problems, run_ranks
 from reference import make, mismatch, ops_for, reduce, values
 
 from comm.buffers import as_buffer
@@ -17,9 +17,7 @@ pytestmark = pytest.mark.skipif(base.unavailable_reason("mpi") is not None,
 
 
 def _run(cluster, n, fn, *args, env=None):
-    problems = cluster(n, "mpi", "mpirun", env).run(fn, *args, timeout=200)
-    flat = [p for rank in problems for p in rank]
-    assert not flat, "\n".join(flat[:20])
+    assert_no_problems(cluster(n, "mpi", "mpirun", env).run(fn, *args, timeout=200))
 
 
 def half_ops_locally(world):

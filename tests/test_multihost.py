@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import run_ranks
+from harness import assert_no_problems, run_ranks
 from netns import ADDRS, TwoHosts, unavailable
 from test_conformance import check_all_reduce, check_all_to_all, check_p2p, check_rooted
 from comm.types import DType
@@ -42,7 +42,6 @@ def test_two_hosts(hosts, per_host):
     before = hosts.tx_bytes(0) + hosts.tx_bytes(1)
     results = run_ranks(cross_host_suite, n, netns=netns, timeout=300,
                         env={"MASTER_ADDR": ADDRS[0], "COMM_TIMEOUT": "60"})
-    problems = [p for r in results for p in r]
-    assert not problems, "\n".join(problems[:20])
+    assert_no_problems(results)
     moved = hosts.tx_bytes(0) + hosts.tx_bytes(1) - before
     assert moved > 16 << 20, f"only {moved} bytes crossed the veth link: the cross-host path was not used"

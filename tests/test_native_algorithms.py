@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from comm.types import DType, ReduceOp
+from harness import assert_no_problems
 from reference import empty, make, mismatch, reduce, values
 
 # Which kinds each algorithm implements (shm-only ones fall back over TCP).
@@ -98,8 +99,7 @@ def check_every_collective(world, algo, channels):
 def _check(cluster, n, algo, channels):
     env = {"COMM_ALGO": algo, "COMM_CHUNK_BYTES": "4096", "COMM_CHANNELS": channels}
     results = cluster(n, "native", env=env).run(check_every_collective, algo, channels, timeout=300)
-    problems = [p for rank_problems, _ in results for p in rank_problems]
-    assert not problems, "\n".join(problems[:20])
+    assert_no_problems(rank_problems for rank_problems, _ in results)
     used = results[0][1]
     forced_here = channels == "auto" or algo not in SHM_ONLY
     for kind in IMPLEMENTS[algo]:

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import ROOT, run_ranks
+from harness import ROOT, assert_no_problems, run_ranks
 
 from comm.types import DType
 from transports import base
@@ -19,9 +19,7 @@ pytestmark = pytest.mark.skipif(base.unavailable_reason("ucx") is not None,
 
 
 def _run(cluster, n, fn, *args, env=None):
-    problems = cluster(n, "ucx", "spawn", env).run(fn, *args, timeout=200)
-    flat = [p for rank in problems for p in rank]
-    assert not flat, "\n".join(flat[:20])
+    assert_no_problems(cluster(n, "ucx", "spawn", env).run(fn, *args, timeout=200))
 
 
 def user_messages_around_collectives(world):
