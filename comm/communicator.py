@@ -16,7 +16,7 @@ from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      TransportUnavailable)
 from .flight_recorder import FlightRecorder
-from .ops import BootstrapContext, OpDesc, OpKind
+from .ops import DONE, BootstrapContext, OpDesc, OpKind
 from .types import DType, PremulSum, ReduceOp, op_allowed
 from .work import Work
 
@@ -117,7 +117,7 @@ class Communicator:
         entry = self._recorder.posted(desc)
         try:
             req = self._transport.post(desc, not async_op)
-            if not async_op:
+            if not async_op and req is not DONE:
                 req.wait(self.timeout)
         except CommError as e:
             raise self._failed_op(desc, e, entry) from None
@@ -149,9 +149,11 @@ class Communicator:
         """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
         name = "all_reduce"
         send = self._buf(x, name, writable=out is None, what="input")
-        recv = send if out is None else self._buf(out, name, writable=True, what="output")
-        self._same_type(name, send, recv)
-        self._count_match(name, recv.count, send.count, "output")
+        recv = send
+        if out is not None:
+            recv = self._buf(out, name, writable=True, what="output")
+            self._same_type(name, send, recv)
+            self._count_match(name, recv.count, send.count, "output")
         rop, factor = self._reduce_op(name, op, send, scale)
         return self._post(OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor), async_op)
 

@@ -1,6 +1,8 @@
-"""The operation descriptor and bootstrap context: what the communicator hands a transport."""
+"""The transport protocol's types: the operation descriptor and bootstrap context the
+communicator hands a transport, and the Request it gets back."""
 from __future__ import annotations
 
+import abc
 import enum
 from dataclasses import dataclass, field
 
@@ -72,3 +74,27 @@ class BootstrapContext:
     bind_addr: str | None = None
     group_name: str = "world"
     options: dict = field(default_factory=dict)
+
+
+class Request(abc.ABC):
+    """A posted operation. wait() raises a CommError subclass if the operation failed."""
+
+    @abc.abstractmethod
+    def wait(self, timeout: float | None = None) -> None: ...
+
+    @abc.abstractmethod
+    def test(self) -> bool: ...
+
+
+class CompletedRequest(Request):
+    """A request that finished when it was posted (blocking path). Use the DONE instance:
+    the communicator skips waiting on it."""
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
+DONE = CompletedRequest()

@@ -15,27 +15,10 @@ import time
 from typing import ClassVar
 
 from comm.errors import CommError, CommTimeout, TransportUnavailable
-from comm.ops import BootstrapContext, OpDesc, OpKind  # noqa: F401  (the protocol's types)
+from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
+                      Request)  # the protocol's types
 
 
-class Request(abc.ABC):
-    """A posted operation. wait() raises a CommError subclass if the operation failed."""
-
-    @abc.abstractmethod
-    def wait(self, timeout: float | None = None) -> None: ...
-
-    @abc.abstractmethod
-    def test(self) -> bool: ...
-
-
-class CompletedRequest(Request):
-    """A request that finished when it was posted (blocking path)."""
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-    def test(self) -> bool:
-        return True
 
 
 class Transport(abc.ABC):
@@ -175,7 +158,7 @@ class CollectiveQueue:
         self._count += 1
         if blocking and self._thread.idle:
             self._run(desc, self._count)
-            return CompletedRequest()
+            return DONE
         return self._thread.submit(self._run, desc, self._count)
 
     def _run(self, desc: OpDesc, seq: int) -> None:

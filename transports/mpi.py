@@ -30,7 +30,7 @@ from comm.types import DType, ReduceOp
 
 from .base import (
     BootstrapContext,
-    CompletedRequest,
+    DONE,
     OpDesc,
     OpKind,
     Request,
@@ -213,7 +213,7 @@ class MPITransport(Transport):
         try:
             if blocking and not self._bounded:   # the latency path: one blocking MPI call
                 _CALLS[desc.kind](self, desc, False)
-                return _DONE
+                return DONE
             return MPIRequest(_CALLS[desc.kind](self, desc, True), None, self, desc)
         except MPI.Exception as e:
             raise _error(e) from None
@@ -235,7 +235,7 @@ class MPITransport(Transport):
         if req is None:
             if after is not None:
                 after()
-            return _DONE
+            return DONE
         return MPIRequest(req, after, self, desc)
 
     def _prescaled(self, desc: OpDesc) -> OpDesc:
@@ -267,7 +267,6 @@ def _replace(desc: OpDesc, **changes) -> OpDesc:
 
 _REDUCING = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER})
 _EXTRA_STEPS = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
-_DONE = CompletedRequest()
 
 
 # ---- one function per OpKind: (transport, desc, nonblocking) -> MPI.Request | None --------------

@@ -23,7 +23,7 @@ import time
 from comm import auth, config
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, Mismatch, PeerFailure,
                          TransportUnavailable)
-from transports.base import (BootstrapContext, CompletedRequest, OpDesc, OpKind, Request,
+from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
 
 try:
@@ -38,7 +38,6 @@ DIRECT_MAX_BYTES = 32 << 10
 
 _MONITOR, _P2P, _FIRST_COLL = 0, 1, 2  # socket roles, sent by the connecting side
 _IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
-_DONE = CompletedRequest()
 
 
 def _error_classes() -> dict:
@@ -236,7 +235,7 @@ class NativeTransport(Transport):
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         if work is None:
-            return _DONE
+            return DONE
         return NativeRequest(work, self.rank, desc.kind.label, (send, recv))
 
     @property
