@@ -11,7 +11,7 @@ import os
 
 from . import config, rendezvous
 from .buffers import Buffer
-from .communicator import Communicator, connect
+from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
 from .store import Store
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
@@ -80,6 +80,7 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     port = place.master_port if place.master_port is not None else rendezvous.DEFAULT_PORT
 
     name = config.get("COMM_TRANSPORT") if transport == "auto" else transport
+    transport_class(name, place.rank)   # fail before any port is bound or dialled
     secret = config.get("COMM_SECRET")
     if place.size == 1 and port == 0:
         port = rendezvous.free_port()

@@ -336,18 +336,23 @@ class Communicator:
             self._owned_store.close()
 
 
+def transport_class(name: str, rank: int | None = None):
+    """The transport registered as `name`, or TransportUnavailable saying why it cannot run here."""
+    from transports import base
+
+    cls = base.get(name)
+    reason = cls.available()
+    if reason is not None:
+        raise TransportUnavailable(f"transport {name!r} cannot run here: {reason}", rank=rank, op="init")
+    return cls
+
+
 def connect(store, transport: str, group_name: str = "world", *, ranks: tuple[int, ...] | None = None,
             owned_store=None) -> Communicator:
     """A Communicator over `transport` for the group whose bootstrap store (already scoped to the
     group, knowing its rank, size and timeout) is `store`. comm.init and the torch backend
     both end here, after their own rendezvous."""
-    from transports import base
-
-    cls = base.get(transport)
-    reason = cls.available()
-    if reason is not None:
-        raise TransportUnavailable(f"transport {transport!r} cannot run here: {reason}",
-                                   rank=store.rank, op="init")
+    cls = transport_class(transport, store.rank)
     secret = config.get("COMM_SECRET")
     if secret is None and store.size > 1:
         auth.warn_unauthenticated()

@@ -19,8 +19,6 @@ from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind, 
                       Request)  # the protocol's types
 
 
-
-
 class Transport(abc.ABC):
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
