@@ -49,8 +49,9 @@ def load_pyverbs():
 
 
 pv, PYVERBS_ERROR = load_pyverbs()
-if pv is not None:
-    from pyverbs import enums as E
+# pyverbs' enums, or None: modules that use them import fine without pyverbs and are only
+# entered once available() has said the transport can run.
+E = pv.enums if pv is not None else None
 
 
 @dataclass(frozen=True)
