@@ -27,6 +27,12 @@ _REDUCE_OPS = {op: op for op in ReduceOp}
 _ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
 
 
+def _row_count(v) -> int:
+    if isinstance(v, bool):
+        raise TypeError("bool is not a row count")
+    return operator.index(v)
+
+
 class Communicator:
     """A group of ranks and the transport that connects them. Create with comm.init()."""
 
@@ -231,7 +237,10 @@ class Communicator:
                 raise self._error(op, f"{what} has {rows} rows, not divisible by the group size "
                                       f"{self.size}; pass splits")
             return (rows // self.size * row,) * self.size
-        splits = tuple(int(s) for s in splits)
+        try:  # integers of any kind (numpy's too); a float or bool is a bug, never a row count
+            splits = tuple(map(_row_count, splits))
+        except TypeError:
+            raise self._error(op, f"{what} splits {splits!r} must be integers") from None
         if len(splits) != self.size:
             raise self._error(op, f"{what} splits have {len(splits)} entries for a group of {self.size}")
         if any(s < 0 for s in splits):
@@ -251,6 +260,9 @@ class Communicator:
             raise self._error(name, f"input rows {send.shape[1:]} and output rows {recv.shape[1:]} differ")
         send_counts = self._splits(name, send, in_splits, "input")
         recv_counts = self._splits(name, recv, out_splits, "output")
+        if send_counts[self.rank] != recv_counts[self.rank]:  # the block a rank keeps is copied
+            raise self._error(name, f"in_splits[{self.rank}] and out_splits[{self.rank}] differ: "
+                                    "the rows a rank sends itself must equal the rows it expects")
         if in_splits is None and out_splits is None:
             self._count_match(name, recv.count, send.count, "output")
         return self._post(OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,

@@ -21,8 +21,8 @@ import threading
 import time
 
 from comm import auth, config
-from comm.errors import (Aborted, Closed, CommError, CommTimeout, Mismatch, PeerFailure,
-                         TransportUnavailable)
+from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
+                         PeerFailure, TransportUnavailable)
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
 
@@ -43,7 +43,7 @@ _IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
 def _error_classes() -> dict:
     return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
             _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
-            _native.ERR_CLOSED: Closed}
+            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument}
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
@@ -229,7 +229,9 @@ class NativeTransport(Transport):
         try:
             work = self._engine.post(desc.kind, desc.dtype, desc.op, desc.scale,
                                      send.ptr if send is not None else 0,
+                                     send.nbytes if send is not None else 0,
                                      recv.ptr if recv is not None else 0,
+                                     recv.nbytes if recv is not None else 0,
                                      desc.count, desc.root, desc.peer, desc.tag,
                                      desc.send_counts or (), desc.recv_counts or (), blocking)
         except _native.NativeError as e:

@@ -30,6 +30,7 @@ NB_MODULE(_native, m) {
   m.attr("ERR_MISMATCH") = static_cast<int>(ErrorCode::MISMATCH);
   m.attr("ERR_CLOSED") = static_cast<int>(ErrorCode::CLOSED);
   m.attr("ERR_SYSTEM") = static_cast<int>(ErrorCode::SYSTEM);
+  m.attr("ERR_INVALID_ARGUMENT") = static_cast<int>(ErrorCode::INVALID_ARGUMENT);
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
   // The buffer protocol from C: ~10x cheaper than numpy's __array_interface__ dict, and
   // Python's per-call cost is what bounds small-message latency.
@@ -77,16 +78,21 @@ NB_MODULE(_native, m) {
       .def("start", &Engine::start, release())
       .def(
           "post",
-          [](Engine& e, int kind, int dtype, int op, double scale, uintptr_t send, uintptr_t recv,
-             uint64_t count, int root, int peer, int tag, std::vector<uint64_t> send_counts,
+          [](Engine& e, int kind, int dtype, int op, double scale, uintptr_t send,
+             uint64_t send_bytes, uintptr_t recv, uint64_t recv_bytes, uint64_t count, int root,
+             int peer, int tag, std::vector<uint64_t> send_counts,
              std::vector<uint64_t> recv_counts, bool blocking) {
+            check_codes(kind, dtype, op);  // before the casts: enums hold only known codes
             return e.post(OpArgs{static_cast<OpKind>(kind), static_cast<DType>(dtype),
-                                 static_cast<ReduceOp>(op), scale, send, recv, count, root, peer,
-                                 tag, std::move(send_counts), std::move(recv_counts)},
+                                 static_cast<ReduceOp>(op), scale, send, send_bytes, recv,
+                                 recv_bytes, count, root, peer, tag, std::move(send_counts),
+                                 std::move(recv_counts)},
                           blocking);
           },
           release(),
-          "Post one operation; returns a Work, or None when it already ran to completion.")
+          "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
+          "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
+          "completion.")
       .def("abort", &Engine::abort, release())
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);

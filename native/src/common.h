@@ -22,7 +22,10 @@ bool is_floating(DType t);
 const char* kind_name(OpKind k);
 
 // Error codes mirrored by transports/native.py onto the comm.errors classes.
-enum class ErrorCode : int { TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM };
+enum class ErrorCode : int {
+  TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM,
+  INVALID_ARGUMENT  // the caller's arguments; nothing was sent and the communicator stays usable
+};
 
 // The one exception type the engine throws; the binding turns it into _native.NativeError.
 struct CommError : std::exception {

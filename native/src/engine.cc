@@ -74,6 +74,8 @@ void Engine::start() {
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
+  validate(args, comm_.rank, comm_.size);  // before it is queued: a refused op leaves no trace
   if (args.kind == OpKind::SEND || args.kind == OpKind::RECV) {
     // Never behind the collective queue: a posted irecv must not hold up anything.
     lock.unlock();

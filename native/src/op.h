@@ -19,7 +19,9 @@ struct OpArgs {
   ReduceOp op;
   double scale;
   uintptr_t send;
+  uint64_t send_bytes;  // the size of the memory at `send`: no access goes past it
   uintptr_t recv;
+  uint64_t recv_bytes;
   uint64_t count;
   int root;
   int peer;
@@ -27,6 +29,13 @@ struct OpArgs {
   std::vector<uint64_t> send_counts;
   std::vector<uint64_t> recv_counts;
 };
+
+// The engine's own guard, run before an operation touches memory: the op, dtype and kind
+// codes are in range, roots and peers are ranks of the group, and every count, split and
+// offset stays inside the sizes the caller handed over with the pointers (validate.cc).
+// Throws INVALID_ARGUMENT.
+void check_codes(int kind, int dtype, int op);
+void validate(const OpArgs& a, int rank, int size);
 
 // A posted operation; shared by the engine and the Python request object.
 class Op {

@@ -16,12 +16,22 @@ void pairwise_all_to_all(Comm& c, const Coll& op) {
     sdisp[i + 1] = sdisp[i] + (*op.send_counts)[i] * op.elem;
     rdisp[i + 1] = rdisp[i] + (*op.recv_counts)[i] * op.elem;
   }
+  // validate() made the block a rank keeps the same size on both sides.
   std::memmove(op.recv + rdisp[r], op.send + sdisp[r], sdisp[r + 1] - sdisp[r]);
-  const WireHeader h = op.header(0);
+  auto sent = [&](int p) { return sdisp[p + 1] - sdisp[p]; };
+  auto received = [&](int p) { return rdisp[p + 1] - rdisp[p]; };
   for (int s = 1; s < n; s++) {
     const int to = mod(r + s, n), from = mod(r - s, n);
-    c.sendrecv(to, op.send + sdisp[to], sdisp[to + 1] - sdisp[to], from, op.recv + rdisp[from],
-               rdisp[from + 1] - rdisp[from], h);
+    // Every header carries both directions of its pair of ranks: `len` is what this message
+    // holds, `count` the bytes its sender expects back. The receiver checks both before any
+    // payload byte lands, so a disagreement on the splits fails on both ranks of the pair
+    // (Mismatch) instead of writing past a block or leaving one unwritten.
+    WireHeader out = op.header(0), in = op.header(0);
+    out.count = received(to);
+    in.count = sent(from);
+    Transfer ts[2] = {c.send_to(to, op.send + sdisp[to], sent(to), out),
+                      c.recv_from(from, op.recv + rdisp[from], received(from), in)};
+    c.run(ts, 2);
   }
 }
 
