@@ -35,6 +35,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_FLIGHT_RECORDER", "", "File to which each rank appends its last operations when an operation fails; empty: stderr.", _opt_str),
     Variable("COMM_VERBS_DEVICE", "", "RDMA device (and port) for the verbs transport, e.g. mlx5_0 or mlx5_0:1. Empty: the first active port.", _opt_str),
     Variable("COMM_VERBS_GID_INDEX", "-1", "GID table index for the verbs transport (RoCE needs one; RoCEv2 is often 3). -1: the first non-zero GID of the port.", int),
+    Variable("COMM_VERBS_HOP_LIMIT", "64", "IP hop limit (TTL) of the verbs transport's RoCE v2 / routed InfiniBand packets; 1 keeps them inside one subnet.", int),
     Variable("COMM_MPI_BOUNDED", "1", "1: the mpi transport runs blocking operations as non-blocking ones polled against COMM_TIMEOUT, so a hung peer is an error, not a hang. 0: MPI's blocking calls (a few us faster; they cannot time out).", lambda s: s not in ("", "0")),
     Variable("COMM_DEBUG", "0", "1: log connection set-up and algorithm choices to stderr.", lambda s: s not in ("", "0")),
 ]}

@@ -247,6 +247,46 @@ def test_discovery_reason_is_clear_without_a_device():
         comm.init(transport="verbs")
 
 
+def test_missing_pyverbs_gives_the_install_hint():
+    from transports.verbs import device
+    if device.pv is not None:
+        pytest.skip("pyverbs is importable here: the hint is for machines without it")
+    with pytest.raises(comm.TransportUnavailable, match=r"apt-get install python3-pyverbs rdma-core"):
+        comm.init(transport="verbs")
+
+
+ROCE_V1, ROCE_V2 = 0, 1   # ibv_gid_type_sysfs, what Context.query_gid_type returns
+ZERO = "0000:0000:0000:0000:0000:0000:0000:0000"
+LINK_LOCAL = "fe80:0000:0000:0000:0202:c9ff:fe00:0001"
+IPV4_MAPPED = "0000:0000:0000:0000:0000:ffff:c612:0001"
+
+
+def test_gid_choice_takes_the_first_non_zero_roce_v2_entry():
+    from transports.verbs.device import choose_gid
+    table = [(0, LINK_LOCAL, ROCE_V1), (1, LINK_LOCAL, ROCE_V2), (2, IPV4_MAPPED, ROCE_V1),
+             (3, IPV4_MAPPED, ROCE_V2)]
+    assert choose_gid(table, ethernet=True, wanted=-1) == 1
+    assert choose_gid(table[2:], ethernet=True, wanted=-1) == 3
+    # a zero GID is never chosen, even typed v2; no v2 at all falls back to index 0
+    assert choose_gid([(0, LINK_LOCAL, ROCE_V1), (5, ZERO, ROCE_V2)], ethernet=True, wanted=-1) == 0
+    # verbs.h's IBV_GID_TYPE_ROCE_V2 (2) is not what the sysfs query returns
+    assert choose_gid([(0, LINK_LOCAL, ROCE_V1), (1, IPV4_MAPPED, 2)], ethernet=True, wanted=-1) == 0
+
+
+def test_gid_choice_respects_configuration_and_infiniband():
+    from transports.verbs.device import choose_gid
+    table = [(0, LINK_LOCAL, ROCE_V1), (1, IPV4_MAPPED, ROCE_V2)]
+    assert choose_gid(table, ethernet=True, wanted=7) == 7     # COMM_VERBS_GID_INDEX wins
+    assert choose_gid(table, ethernet=False, wanted=-1) == 0   # InfiniBand: routed by LID
+
+
+def test_hop_limit_is_declared_and_configurable(monkeypatch):
+    from comm import config
+    assert config.get("COMM_VERBS_HOP_LIMIT") == 64
+    monkeypatch.setenv("COMM_VERBS_HOP_LIMIT", "8")
+    assert config.get("COMM_VERBS_HOP_LIMIT") == 8
+
+
 def _ring_exchange(world):
     x = np.full(1000, world.rank + 1, np.float32)
     world.all_reduce(x)

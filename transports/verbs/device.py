@@ -73,20 +73,38 @@ def _device_names() -> list[str]:
     return [d.name.decode() if isinstance(d.name, bytes) else d.name for d in devices]
 
 
-def _pick_gid(ctx, port: int, attr, wanted: int) -> tuple[int, str]:
-    """The configured GID index, else on Ethernet (RoCE) the first RoCE v2 GID, else index 0."""
+# ibv_query_gid_type reports the sysfs enum (ibv_gid_type_sysfs in infiniband/driver.h):
+# IB/RoCE v1 = 0, RoCE v2 = 1. Not verbs.h's ibv_gid_type, where RoCE v2 is 2.
+GID_TYPE_SYSFS_ROCE_V2 = 1
+
+
+def choose_gid(entries, ethernet: bool, wanted: int) -> int:
+    """The GID index to use, from the port's table as (index, gid text, sysfs type) entries
+    (type None where it cannot be read): the configured index when given; on Ethernet (RoCE)
+    the first non-zero RoCE v2 GID, which routers can forward; else index 0."""
     if wanted >= 0:
-        return wanted, ctx.query_gid(port, wanted).gid
-    if attr.link_layer == E.IBV_LINK_LAYER_ETHERNET:
-        for index in range(attr.gid_tbl_len):
-            try:
-                gid = ctx.query_gid(port, index).gid
-                if int(gid.replace(":", ""), 16) and \
-                        ctx.query_gid_type(port, index) == E.IBV_GID_TYPE_ROCE_V2:
-                    return index, gid
-            except pv.pyverbs_error.PyverbsRDMAError:
-                continue   # unpopulated table entry
-    return 0, ctx.query_gid(port, 0).gid
+        return wanted
+    if ethernet:
+        for index, gid, gid_type in entries:
+            if int(gid.replace(":", ""), 16) and gid_type == GID_TYPE_SYSFS_ROCE_V2:
+                return index
+    return 0
+
+
+def _gid_table(ctx, port: int, length: int):
+    """(index, gid, sysfs type) of every populated entry of the port's GID table."""
+    for index in range(length):
+        try:
+            yield index, ctx.query_gid(port, index).gid, ctx.query_gid_type(port, index)
+        except pv.pyverbs_error.PyverbsError:
+            continue   # unpopulated table entry
+
+
+def _pick_gid(ctx, port: int, attr, wanted: int) -> tuple[int, str]:
+    ethernet = attr.link_layer == E.IBV_LINK_LAYER_ETHERNET
+    entries = _gid_table(ctx, port, attr.gid_tbl_len) if ethernet and wanted < 0 else ()
+    index = choose_gid(entries, ethernet, wanted)
+    return index, ctx.query_gid(port, index).gid
 
 
 def find_port(wanted: str | None, gid_index: int) -> Port:

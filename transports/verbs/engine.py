@@ -79,9 +79,10 @@ def _owner_region(arr: np.ndarray) -> tuple[tuple[int, int], np.ndarray | None]:
 
 
 class Engine:
-    def __init__(self, rank: int, size: int, port: dev.Port, timeout: float):
+    def __init__(self, rank: int, size: int, port: dev.Port, timeout: float, hop_limit: int = 64):
         self.rank, self.size, self.timeout = rank, size, timeout
         self.port = port
+        self._hop_limit = hop_limit
         self._failure: CommError | None = None
         self.lock = threading.RLock()
         self.ctx = pv.device.Context(name=port.device)
@@ -147,7 +148,9 @@ class Engine:
             # RNR should never happen (credits); retries cover a busy fabric, not a dead peer.
             attr.min_rnr_timer, attr.timeout, attr.retry_cnt, attr.rnr_retry = 12, 14, 7, 7
             if self.port.link_layer == E.IBV_LINK_LAYER_ETHERNET or remote.lid == 0:
-                gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(remote.gid_text()), sgid_index=self.port.gid_index)
+                # pyverbs' default hop_limit of 1 stops RoCE v2 at the first router.
+                gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(remote.gid_text()), sgid_index=self.port.gid_index,
+                                         hop_limit=self._hop_limit)
                 attr.ah_attr = pv.addr.AHAttr(port_num=self.port.port, is_global=1, gr=gr, dlid=remote.lid)
             else:
                 attr.ah_attr = pv.addr.AHAttr(port_num=self.port.port, dlid=remote.lid)

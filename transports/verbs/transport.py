@@ -67,7 +67,7 @@ class VerbsTransport(Transport):
         except TransportUnavailable as e:
             raise e.locate(ctx.rank, "init") from None
         try:
-            engine = Engine(ctx.rank, ctx.size, port, ctx.timeout)
+            engine = Engine(ctx.rank, ctx.size, port, ctx.timeout, config.get("COMM_VERBS_HOP_LIMIT"))
         except dev.pv.pyverbs_error.PyverbsError as e:
             raise CommError(f"cannot open {port.device}:{port.port}: {e}", rank=ctx.rank, op="init") from None
         try:
