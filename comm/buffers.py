@@ -117,7 +117,73 @@ def _from_cai(x, op: str) -> Buffer:
         if tuple(reversed(want)) != tuple(strides) and count > 1:
             raise _bad(op, "CUDA array is not contiguous")
     ptr, readonly = cai["data"]
-    return Buffer(ptr, count, dtype, shape, "cuda", 0, bool(readonly), x)
+    return Buffer(ptr, count, dtype, shape, "cuda", _cuda_ordinal(ptr), bool(readonly), x)
+
+
+try:  # optional: which GPU a raw CUDA pointer lives on (CUDA-array-interface and DLPack inputs)
+    from cuda.bindings import driver as _cu
+except ImportError:
+    _cu = None
+
+
+def _cuda_ordinal(ptr: int) -> int:
+    """The CUDA device index owning `ptr` (the interfaces do not say); 0 when it cannot be asked."""
+    if _cu is None or not ptr:
+        return 0
+    try:
+        err, ordinal = _cu.cuPointerGetAttribute(_cu.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    except RuntimeError:   # no driver library in this process (cuda-pathfinder raises)
+        return 0
+    return int(ordinal) if int(err) == 0 else 0
+
+
+# ---- DLPack on CUDA: numpy cannot import device memory, so the capsule is read directly --------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+_DL_CUDA, _DL_CUDA_MANAGED = 2, 13   # DLDeviceType codes whose memory is a CUDA pointer
+_DL_DTYPES = {(2, 16): DType.FLOAT16, (2, 32): DType.FLOAT32, (2, 64): DType.FLOAT64,
+              (4, 16): DType.BFLOAT16, (0, 8): DType.INT8, (0, 16): DType.INT16, (0, 32): DType.INT32,
+              (0, 64): DType.INT64, (1, 8): DType.UINT8, (6, 8): DType.BOOL}
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype, _capsule_pointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+
+
+def _from_cuda_dlpack(x, op: str, device_id: int) -> Buffer:
+    """A CUDA DLPack array. The capsule is read, not consumed: it stays in Buffer.obj, so the
+    producer's deleter runs when the buffer is dropped. The producer orders its pending work
+    before our current stream (the `stream` argument of the protocol)."""
+    from .staging import current_stream
+    stream = current_stream(device_id) or 1   # DLPack spells the legacy default stream 1
+    try:
+        capsule = x.__dlpack__(stream=stream)
+        t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    except (BufferError, TypeError, ValueError, RuntimeError) as e:
+        raise _bad(op, f"cannot import {type(x).__name__} through DLPack: {e}") from None
+    dtype = _DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
+    if dtype is None:
+        raise _bad(op, f"DLPack type code {t.dtype.code}, {t.dtype.bits} bits x {t.dtype.lanes} is not supported")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    count = int(np.prod(shape)) if shape else 1
+    if t.strides and count > 1:
+        expect = 1
+        for i in reversed(range(t.ndim)):
+            if shape[i] != 1 and t.strides[i] != expect:
+                raise _bad(op, "DLPack array is not contiguous")
+            expect *= shape[i]
+    return Buffer((t.data or 0) + t.byte_offset, count, dtype, shape, "cuda", t.device.device_id, False,
+                  (x, capsule))
 
 
 def as_buffer(x, *, op: str, writable: bool) -> Buffer:
@@ -129,6 +195,9 @@ def as_buffer(x, *, op: str, writable: bool) -> Buffer:
     elif hasattr(x, "__cuda_array_interface__"):
         buf = _from_cai(x, op)
     elif hasattr(x, "__dlpack__"):
+        kind, index = x.__dlpack_device__() if hasattr(x, "__dlpack_device__") else (1, 0)
+        if kind in (_DL_CUDA, _DL_CUDA_MANAGED):
+            return _checked(_from_cuda_dlpack(x, op, index), op, writable)
         try:
             arr = np.from_dlpack(x)
         except (BufferError, TypeError, RuntimeError) as e:
@@ -138,6 +207,10 @@ def as_buffer(x, *, op: str, writable: bool) -> Buffer:
         buf = _from_numpy(np.asarray(x if isinstance(x, memoryview) else memoryview(x)), op, obj=x)
     else:
         raise _bad(op, f"expected an array (numpy, torch, DLPack), got {type(x).__name__}")
+    return _checked(buf, op, writable)
+
+
+def _checked(buf: Buffer, op: str, writable: bool) -> Buffer:
     if writable and buf.readonly:
         raise _bad(op, "the output buffer is read-only")
     return buf

@@ -51,6 +51,7 @@ class Communicator:
         self._failure: CommError | None = None
         self._closed = False
         self._recorder = FlightRecorder(ctx.rank, ctx.group_name)
+        self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport
 
     def __repr__(self) -> str:
         return f"<comm.Communicator rank {self.rank} of {self.size} on {self.transport} ({self._ctx.group_name})>"
@@ -74,10 +75,22 @@ class Communicator:
         except InvalidArgument as e:
             raise self._error(op, f"{what}: {e.cause}") from None
         if buf.device not in self._transport.devices:
+            if buf.device == "cuda" and "cpu" in self._transport.devices:
+                self._staging(op)   # CUDA data through pinned host memory (comm.staging)
+                return buf
             raise self._error(op, f"{what} is on {buf.device}, which transport {self.transport!r} cannot "
                                   f"reach (it takes {', '.join(sorted(self._transport.devices))}); "
                                   "use a transport for that device (nccl for CUDA) or move the data")
         return buf
+
+    def _staging(self, op: str):
+        if self._stager is None:
+            from .staging import Stager
+            try:
+                self._stager = Stager(self._transport.post, f"the {self.transport} transport")
+            except CommError as e:
+                raise self._error(op, f"CUDA buffer on the {self.transport} transport: {e.cause}") from None
+        return self._stager
 
     def _same_type(self, op: str, a: Buffer, b: Buffer) -> None:
         if a.dtype != b.dtype:
@@ -122,7 +135,10 @@ class Communicator:
         desc.seq = self._next_seq()
         entry = self._recorder.posted(desc)
         try:
-            req = self._transport.post(desc, not async_op)
+            if self._stager is not None and self._stager.involves(desc):
+                req = self._stager.post(desc, not async_op)
+            else:
+                req = self._transport.post(desc, not async_op)
             if not async_op and req is not DONE:
                 req.wait(self.timeout)
         except CommError as e:
@@ -344,6 +360,8 @@ class Communicator:
             return
         self._closed = True
         self._transport.close()
+        if self._stager is not None:
+            self._stager.close()
         if self._owned_store is not None:
             self._owned_store.close()
 
@@ -360,14 +378,16 @@ def transport_class(name: str, rank: int | None = None):
 
 
 def connect(store, transport: str, group_name: str = "world", *, ranks: tuple[int, ...] | None = None,
-            owned_store=None) -> Communicator:
+            owned_store=None, options: dict | None = None) -> Communicator:
     """A Communicator over `transport` for the group whose bootstrap store (already scoped to the
     group, knowing its rank, size and timeout) is `store`. comm.init and the torch backend
-    both end here, after their own rendezvous."""
+    both end here, after their own rendezvous. `options` reach the transport (BootstrapContext):
+    "cuda_device" is the GPU a CUDA transport drives."""
     cls = transport_class(transport, store.rank)
     secret = config.get("COMM_SECRET")
     if secret is None and store.size > 1:
         auth.warn_unauthenticated()
     ctx = BootstrapContext(store.rank, store.size, store, store.timeout, rendezvous.host_id(),
-                           secret.encode() if secret else None, rendezvous.bind_address(), group_name)
+                           secret.encode() if secret else None, rendezvous.bind_address(), group_name,
+                           options or {})
     return Communicator(cls.create(ctx), ctx, ranks=ranks, owned_store=owned_store)

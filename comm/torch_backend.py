@@ -27,7 +27,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import config, rendezvous
+from . import config, rendezvous, staging
 from .communicator import Communicator, connect
 from .store import KeyValueStore
 from .errors import CommError, CommTimeout, InvalidArgument, TransportUnavailable
@@ -135,13 +135,25 @@ class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds the output tensors (the
     value DDP hooks read) and completes when they do, whether or not wait() is called."""
 
-    def __init__(self, pg: ProcessGroupComm, op: str, result: list, copies=()):
+    def __init__(self, pg: ProcessGroupComm, op: str, result: list, copies=(), device=None):
         super().__init__()
         self._pg, self._op, self._result = pg, op, result
         self._copies = copies      # (destination, staging) pairs to copy back on success
-        self._future = torch.futures.Future()
+        # CUDA: the future knows its device, so its consumers' streams wait on its events.
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._future = torch.futures.Future(devices=[self._device]) if self._device else torch.futures.Future()
+        self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
         self._done = threading.Event()
         self._error: BaseException | None = None
+
+    def _stream_ordered(self, comm_works) -> bool:
+        """True when every operation completes on a CUDA stream (nccl) and nothing is copied
+        back on the host: wait() can then order the caller's stream without blocking."""
+        reqs = [w._req for w in comm_works if w is not None]
+        if self._device is None or self._copies or not all(hasattr(r, "stream_wait") for r in reqs):
+            return False
+        self._streamed = reqs
+        return True
 
     def _complete(self, comm_works, timeout: float | None) -> None:
         """Wait on the comm operations, copy staged outputs back, resolve the future."""
@@ -151,6 +163,8 @@ class TorchWork(dist.distributed_c10d.Work):
                     w.wait(timeout)
             for dst, src in self._copies:
                 dst.copy_(src)
+            if self._copies and self._device is not None:   # the copies ran on this thread's stream
+                torch.cuda.current_stream(self._device).synchronize()
         except BaseException as e:  # delivered to whoever waits, and to the future
             self._error = e
             self._done.set()
@@ -160,6 +174,15 @@ class TorchWork(dist.distributed_c10d.Work):
         self._future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
+        """CUDA work on nccl: the caller's current stream waits for it, the host does not (as
+        torch's NCCL backend). Everything else: block until done (synchronize() always blocks)."""
+        if self._streamed is not None and self._error is None:
+            for req in self._streamed:
+                req.stream_wait()
+            return True
+        return self._host_wait(timeout)
+
+    def _host_wait(self, timeout=None) -> bool:
         seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
         # torch passes 0 for "no timeout": the completion thread's own waits are bounded by the
         # communicator's timeout, so the slack only covers the hand-off.
@@ -180,14 +203,15 @@ class TorchWork(dist.distributed_c10d.Work):
         return self._error
 
     def result(self) -> list:
-        self.wait()
+        self._host_wait()
         return self._result
 
     def get_future(self) -> torch.futures.Future:
         return self._future
 
     def synchronize(self) -> None:
-        """CPU and blocking-transport work has no stream to join."""
+        """Block the host until the work is done (on CUDA too)."""
+        self._host_wait()
 
 
 class Completer:
@@ -273,7 +297,7 @@ class ProcessGroupComm(dist.ProcessGroup):
         return f"<ProcessGroupComm {self._name!r} rank {self.rank()} of {self.size()}>"
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def _communicator(self, device: str, op: str) -> Communicator:
+    def _communicator(self, device: str, op: str, index: int | None = None) -> Communicator:
         with self._lock:
             comm = self._comms.get(device)
             if comm is None:
@@ -281,7 +305,14 @@ class ProcessGroupComm(dist.ProcessGroup):
                     transport = transport_for(device)
                     store = TorchStore(dist.PrefixStore(f"comm/{device}/", self._store), self.rank(),
                                        self.size(), self.timeout)
-                    comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks)
+                    options = {}
+                    if device == "cuda":   # nccl on the tensor's GPU, or (agreed by all ranks) staging
+                        options["cuda_device"] = index if index is not None else torch.cuda.current_device()
+                        if transport == "nccl" and config.get("COMM_TRANSPORT") != "nccl":
+                            transport = staging.cuda_transport(store, config.get("COMM_TRANSPORT"),
+                                                               options["cuda_device"])
+                    comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks,
+                                   options=options)
                 except TransportUnavailable as e:
                     raise TransportUnavailable(f"{device} tensors need a transport that reaches {device}: "
                                                f"{e.cause}", rank=self.rank(), op=op) from None
@@ -302,13 +333,19 @@ class ProcessGroupComm(dist.ProcessGroup):
     def _launch(self, op: str, device: torch.device, post, result: list, copies=(), opts=None) -> TorchWork:
         """Post through `post(comm) -> [comm.Work]`; complete at once for blocking calls, else on
         the completion thread. Inside a coalescing block the work also joins the block's list."""
-        comm = self._communicator(device.type, op)
+        comm = self._communicator(device.type, op, device.index)
         timeout = None
         if opts is not None and opts.timeout.total_seconds() > 0:
             timeout = opts.timeout.total_seconds()
-        work = TorchWork(self, op, result, copies)
+        work = TorchWork(self, op, result, copies, device)
         comm_works = post(comm)
-        if opts is not None and not opts.asyncOp and self._coalesced is None:
+        if work._stream_ordered(comm_works):
+            # The future completes once the GPU is done, on the completion thread; a blocking
+            # call only orders the caller's stream after the operation, as torch's NCCL backend.
+            self._completers[device.type].submit(work, comm_works)
+            if opts is not None and not opts.asyncOp and self._coalesced is None:
+                work.wait()
+        elif opts is not None and not opts.asyncOp and self._coalesced is None:
             work._complete(comm_works, timeout)
             if work._error is not None:
                 raise work._error

@@ -82,3 +82,55 @@ def test_world_of_one_premul_async_and_tag_refusal():
         buf = as_buffer(x, op="send", writable=False)
         with pytest.raises(comm.InvalidArgument, match="no tags"):
             world._transport.post(OpDesc(OpKind.SEND, buf, None, buf.dtype, buf.count, peer=0, tag=3), True)
+
+
+# ---- device choice and the agreement before NCCL is entered (pure, and over a real store) ------
+def test_device_choice_one_visible_gpu_current_device_local_rank():
+    assert tn.choose_device(1, 0, 3) == 0        # CUDA_VISIBLE_DEVICES / --gpus-per-task: local rank 3 is fine
+    assert tn.choose_device(8, 5, 0) == 5        # the process chose one (torch.cuda.set_device)
+    assert tn.choose_device(8, 0, 3) == 3        # otherwise the local rank
+    with pytest.raises(comm.TransportUnavailable, match="local rank 4 would take CUDA device 4"):
+        tn.choose_device(4, 0, 4)
+    with pytest.raises(comm.TransportUnavailable, match="no CUDA device"):
+        tn.choose_device(0, 0, 0)
+
+
+def test_gpu_records_round_trip_with_binary_payload():
+    from comm import staging
+    uid = bytes(range(256))[:128]                  # a unique id may hold any byte, "|" included
+    assert staging.decode_record(staging.encode_record("0000:3b:00.0", None, uid)) == ("0000:3b:00.0", None, uid)
+    assert staging.decode_record(staging.encode_record(None, "no CUDA device")) == (None, "no CUDA device", b"")
+
+
+def test_gpu_problem_names_failed_ranks_then_shared_gpus():
+    from comm.staging import gpu_problem
+    ok = [("0000:3b:00.0", None, b""), ("0000:5e:00.0", None, b"")]
+    assert gpu_problem(ok) is None
+    failed = gpu_problem([ok[0], (None, "local rank 1 would take CUDA device 1", b"")])
+    assert failed.startswith("rank 1: local rank 1 would take")
+    shared = gpu_problem([ok[0], ok[1], ok[0]])
+    assert "ranks 0, 2 share GPU 0000:3b:00.0" in shared and "one GPU per rank" in shared
+
+
+def _agree(world):
+    from comm import staging
+    chosen = staging.cuda_transport(world._ctx.store.scoped("cuda-agree"), "native", None)
+    return chosen, [n for n in staging._noticed if "pinned host memory over the native" in n]
+
+
+@pytest.mark.skipif(NCCL_REASON is None, reason="nccl can run here: this checks the fallback without it")
+def test_ranks_agree_on_the_staged_path_without_nccl():
+    from harness import run_ranks
+    for chosen, notices in run_ranks(_agree, 2):
+        assert chosen == "native"
+        assert len(notices) == 1 and NCCL_REASON.split(";")[0] in notices[0]   # says why, once
+
+
+def test_missing_library_and_unique_id_errors_are_comm_errors():
+    if tn._nccl is None:
+        pytest.skip("nccl4py not installed: the mapping wraps its NCCLError")
+    err = tn._nccl.NCCLError(2)   # ncclSystemError: a peer or the network went away
+    def fail():
+        raise err
+    with pytest.raises(comm.PeerFailure, match="NCCL"):
+        tn.NcclTransport._nccl_call(fail, 0, "init")

@@ -1,10 +1,20 @@
 """NCCL transport: NVIDIA's collectives on CUDA buffers, through nccl4py's low-level bindings.
 
-Install with the `nccl` extra (nccl4py[cu12] brings the nvidia-nccl wheel and cuda-bindings).
-One communicator per process, on CUDA device = the rank's local rank (ranks that share a
-host_id, counted in rank order). Every operation is enqueued on the caller's current CUDA
-stream (torch.cuda.current_stream() when torch is loaded, else the legacy default stream)
-and completes through a CUDA event recorded after it, so `async_op=True` never blocks the host.
+Install with the `nccl-cu12` or `nccl-cu13` extra (nccl4py with the NCCL wheel and cuda-bindings
+of that CUDA major). One communicator per process, on one CUDA device: the one the caller names (the torch
+backend passes the tensor's), else the only visible one (CUDA_VISIBLE_DEVICES, Slurm's
+--gpus-per-task), else the current device when the process set one (torch.cuda.set_device),
+else the local rank. Before NCCL is entered the ranks exchange
+their GPUs' PCI bus ids through the store: a rank without a usable GPU, or two ranks on one
+GPU, is an error on every rank instead of a hang inside ncclCommInitRank. The communicator is
+non-blocking (ncclConfig_t.blocking = 0), so init, split and every call are polled against
+the communicator's timeout and a peer that never arrives ends in ncclCommAbort + CommTimeout.
+
+Streams, as torch's NCCL backend: each operation runs on the communicator's internal stream,
+which first waits for the caller's current stream (an event), and ends with an event that
+the Request exposes: `wait()` blocks the host until it fires; `stream_wait()` only makes the
+caller's current stream wait for it (the torch backend's Work.wait()). torch tensors are
+recorded on the internal stream so the caching allocator does not reuse them early.
 
 Semantics that differ from the other transports, on purpose:
 - Tags: NCCL matches send/recv per peer in posting order and has no tags, so only tag 0 is
@@ -24,20 +34,23 @@ import time
 
 import numpy as np
 
+from comm import staging
 from comm.buffers import Buffer
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                          TransportUnavailable)
+from comm.staging import cuda_check as _cuda_check
 from comm.types import DType, ReduceOp
 
 from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, register
 
-try:  # optional: the `nccl` extra
+try:  # optional: the nccl-cu12 / nccl-cu13 extra
     from cuda.bindings import runtime as _cudart
     from nccl.bindings import nccl as _nccl
     _IMPORT_ERROR: str | None = None
 except ImportError as e:
     _cudart = _nccl = None
-    _IMPORT_ERROR = f"nccl4py is not installed ({e.name} missing); pip install 'nccl4py[cu12]' (the nccl extra)"
+    _IMPORT_ERROR = (f"nccl4py is not installed ({e.name} missing); install the nccl-cu12 extra "
+                     "(pip install '.[nccl-cu12]'), or nccl-cu13 on a CUDA 13 stack")
 
 # ncclDataType_t codes (nccl.h; stable C ABI). NCCL has no int16; bool travels as uint8.
 NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_INT64 = 0, 1, 2, 4
@@ -56,7 +69,7 @@ NCCL_OP: dict[ReduceOp, int] = {ReduceOp.SUM: NCCL_SUM, ReduceOp.PRODUCT: NCCL_P
 _BOOL_OP = {ReduceOp.SUM: NCCL_MAX, ReduceOp.MAX: NCCL_MAX, ReduceOp.BOR: NCCL_MAX,
             ReduceOp.PRODUCT: NCCL_MIN, ReduceOp.MIN: NCCL_MIN, ReduceOp.BAND: NCCL_MIN}
 
-_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR, _RESULT_IN_PROGRESS = 6, 2, 7
+_RESULT_SUCCESS, _RESULT_SYSTEM_ERROR, _RESULT_REMOTE_ERROR, _RESULT_IN_PROGRESS = 0, 2, 6, 7
 _SCALAR_HOST_IMMEDIATE = 1   # ncclScalarHostImmediate: the factor is read before create returns
 _NOCOLOR = -1                # NCCL_SPLIT_NOCOLOR
 
@@ -86,20 +99,35 @@ def premul_scalar(dtype: DType, factor: float) -> np.ndarray:
     return np.array([factor], dtype.numpy_storage)
 
 
-def _cuda_check(result, what: str):
-    err, *rest = result
-    if err != _cudart.cudaError_t.cudaSuccess:
-        raise CommError(f"{what} failed: {_cudart.cudaGetErrorName(err)[1].decode()}")
-    return rest[0] if rest else None
 
 
-def _current_stream(device: int) -> int:
-    """The caller's current stream: torch's when torch is loaded, else the default stream (0).
-    torch is never imported here: a process without it uses the default stream."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return torch.cuda.current_stream(device).cuda_stream
-    return 0
+def choose_device(count: int, current: int, local_rank: int) -> int:
+    """This rank's CUDA device: the only one it sees (one GPU per process through
+    CUDA_VISIBLE_DEVICES or Slurm), else the current device when the process chose one (it is
+    0 until set), else the local rank. TransportUnavailable when none fits."""
+    if count < 1:
+        raise TransportUnavailable("no CUDA device")
+    if count == 1:
+        return 0
+    if current != 0:
+        return current
+    if local_rank < count:
+        return local_rank
+    raise TransportUnavailable(f"local rank {local_rank} would take CUDA device {local_rank}, but this "
+                               f"process sees {count}; call torch.cuda.set_device() or set "
+                               "CUDA_VISIBLE_DEVICES so each rank has one")
+
+
+def _poll(state, deadline: float, what: str, timeout: float) -> int:
+    """Poll state() while NCCL says ncclInProgress; the final state, or CommTimeout."""
+    pause = 0.0
+    while (result := state()) == _RESULT_IN_PROGRESS:
+        if time.monotonic() >= deadline:
+            raise CommTimeout(f"NCCL {what} did not finish within {timeout:g} s "
+                              "(a rank did not arrive, or is hung)")
+        time.sleep(pause)
+        pause = min(pause * 2 or 1e-5, 1e-3)
+    return result
 
 
 class NcclRequest(Request):
@@ -125,6 +153,15 @@ class NcclRequest(Request):
             raise CommError(f"CUDA reported {_cudart.cudaGetErrorName(err)[1].decode()} for an NCCL call")
         return True
 
+    def stream_wait(self) -> None:
+        """Make the caller's current stream wait for the operation; the host does not block."""
+        event = self._event
+        if event is not None:
+            device = self._transport._device
+            _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
+            _cuda_check(_cudart.cudaStreamWaitEvent(staging.current_stream(device), event, 0),
+                        "cudaStreamWaitEvent")
+
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.0
@@ -148,6 +185,10 @@ class NcclTransport(Transport):
     def available(cls) -> str | None:
         if _IMPORT_ERROR is not None:
             return _IMPORT_ERROR
+        try:  # nccl4py loads libnccl on first use: a missing or broken library shows here
+            _nccl.get_version()
+        except Exception as e:  # noqa: BLE001 - whatever the loader raises is the reason
+            return f"nccl4py cannot load the NCCL library ({type(e).__name__}: {e})"
         err, n = _cudart.cudaGetDeviceCount()
         if err != _cudart.cudaError_t.cudaSuccess or n == 0:
             why = "" if err == _cudart.cudaError_t.cudaSuccess else \
@@ -160,44 +201,82 @@ class NcclTransport(Transport):
         self._ctx = ctx
         self._comm = comm
         self._device = device
+        self._timeout = ctx.timeout
         self._aborted = False
         self._closed = False
         self._splits = 0
+        _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
         self._scratch = _cuda_check(_cudart.cudaMalloc(4), "cudaMalloc")  # barrier's all-reduce
+        self._stream = _cuda_check(_cudart.cudaStreamCreateWithFlags(_cudart.cudaStreamNonBlocking),
+                                   "cudaStreamCreate")
+        self._ready = _cuda_check(_cudart.cudaEventCreateWithFlags(_cudart.cudaEventDisableTiming),
+                                  "cudaEventCreate")   # "the caller's stream got here", reused
+        self._torch_stream = None
 
     @classmethod
     def create(cls, ctx: BootstrapContext) -> "NcclTransport":
         reason = cls.available()
         if reason is not None:
             raise TransportUnavailable(reason, rank=ctx.rank, op="init")
-        device = cls._local_device(ctx)
-        uid = _nccl.get_unique_id() if ctx.rank == 0 else None
-        if ctx.rank == 0:
-            ctx.store.set("nccl/uid", bytes(uid))
-        else:
-            uid = _nccl.UniqueId.from_buffer(ctx.store.get("nccl/uid"))
+        device, bus, uid, why = None, None, b"", None
+        try:
+            device = ctx.options.get("cuda_device")
+            if device is None:
+                device = cls._local_device(ctx)
+            bus = staging.pci_bus_id(device)
+            if ctx.rank == 0:
+                uid = bytes(cls._nccl_call(_nccl.get_unique_id, 0, "init"))
+        except CommError as e:
+            why = e.cause
+        # Everyone learns everyone's GPU (or failure) before anyone enters NCCL: a rank that
+        # failed here would otherwise leave the others in ncclCommInitRank for ever.
+        records = [staging.decode_record(r) for r in
+                   ctx.store.all_gather("nccl/gpus", staging.encode_record(bus, why, uid))]
+        problem = staging.gpu_problem(records)
+        if problem is not None:
+            raise TransportUnavailable(f"nccl cannot start: {problem}", rank=ctx.rank, op="init")
+        raw_uid = bytearray(records[0][2])   # from_buffer wraps this memory: keep it alive
+        uid = _nccl.UniqueId.from_buffer(raw_uid)
         _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
-        comm = cls._nccl_call(lambda: _nccl.comm_init_rank(ctx.size, uid, ctx.rank), ctx.rank, "init")
+        config = _nccl.Config()   # NCCL_CONFIG_INITIALIZER's defaults
+        config.blocking = 0
+        comm = cls._nccl_call(lambda: _nccl.comm_init_rank_config(ctx.size, uid, ctx.rank, config.ptr),
+                              ctx.rank, "init")
+        cls._settle(comm, ctx.timeout, ctx.rank, "init")
         return cls(ctx, comm, device)
 
     @staticmethod
     def _local_device(ctx: BootstrapContext) -> int:
-        """CUDA device = local rank: the ranks before us with our host_id."""
+        """choose_device with this host's rank count (ranks sharing our host_id before us)."""
         hosts = ctx.store.all_gather("nccl/host", ctx.host_id.encode())
         local = sum(1 for h in hosts[:ctx.rank] if h == ctx.host_id.encode())
         count = _cuda_check(_cudart.cudaGetDeviceCount(), "cudaGetDeviceCount")
-        if local >= count:
-            raise TransportUnavailable(f"local rank {local} needs CUDA device {local}, but this host "
-                                       f"has {count}; NCCL needs one GPU per rank", rank=ctx.rank, op="init")
-        return local
+        current = _cuda_check(_cudart.cudaGetDevice(), "cudaGetDevice")
+        return choose_device(count, current, local)
 
     @staticmethod
-    def _nccl_call(fn, rank: int | None, op: str):
+    def _nccl_call(fn, rank: int | None, op: str | None):
+        """fn() with NCCL's errors as CommError subclasses (a lost peer: PeerFailure)."""
         try:
             return fn()
         except _nccl.NCCLError as e:
             cls = PeerFailure if e.status in (_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR) else CommError
             raise cls(f"NCCL: {e}", rank=rank, op=op) from None
+
+    @staticmethod
+    def _settle(comm, timeout: float, rank: int | None, op: str) -> None:
+        """Wait until a non-blocking call on `comm` has finished; abort the communicator and
+        raise if it failed or did not finish within `timeout`."""
+        try:
+            state = _poll(lambda: _nccl.comm_get_async_error(comm), time.monotonic() + timeout, op, timeout)
+        except CommTimeout as e:
+            _nccl.comm_abort(comm)
+            raise e.locate(rank, op) from None
+        if state != _RESULT_SUCCESS:
+            detail = _nccl.get_last_error(comm) or _nccl.get_error_string(state)
+            _nccl.comm_abort(comm)
+            cls = PeerFailure if state in (_RESULT_REMOTE_ERROR, _RESULT_SYSTEM_ERROR) else CommError
+            raise cls(f"NCCL {op} failed: {detail}", rank=rank, op=op)
 
     # ---- failure detection ---------------------------------------------------------------
     def _check(self) -> None:
@@ -207,7 +286,7 @@ class NcclTransport(Transport):
         if self._closed:
             raise Closed("the NCCL communicator is closed")
         state = _nccl.comm_get_async_error(self._comm)
-        if state in (0, _RESULT_IN_PROGRESS):
+        if state in (_RESULT_SUCCESS, _RESULT_IN_PROGRESS):
             return
         detail = _nccl.get_last_error(self._comm) or _nccl.get_error_string(state)
         self._fail_abort()
@@ -225,18 +304,47 @@ class NcclTransport(Transport):
         if desc.kind in (OpKind.SEND, OpKind.RECV) and desc.tag != 0:
             raise InvalidArgument(f"tag {desc.tag}: NCCL has no tags (it matches messages per peer in "
                                   "posting order); use tag=0, or the native/verbs transport")
+        for buf in (desc.send, desc.recv):
+            if buf is not None and buf.device_index != self._device:
+                raise InvalidArgument(f"buffer is on cuda:{buf.device_index}, but this communicator "
+                                      f"drives cuda:{self._device}; move it there (one GPU per rank)")
         _cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
-        stream = _current_stream(self._device)
+        # The internal stream starts where the caller's current stream is now (the inputs'
+        # producers are before this point), as torch's NCCL backend does.
+        _cuda_check(_cudart.cudaEventRecord(self._ready, staging.current_stream(self._device)), "cudaEventRecord")
+        _cuda_check(_cudart.cudaStreamWaitEvent(self._stream, self._ready, 0), "cudaStreamWaitEvent")
         keep, premul_ops = [desc.send, desc.recv], []
+        self._record_stream(keep)
         try:
-            self._nccl_call(lambda: self._enqueue(desc, stream, premul_ops), None, None)
+            self._nccl_call(lambda: self._enqueue(desc, self._stream, premul_ops), None, None)
+            self._settle_call(desc.kind.label)
         finally:
-            for op in premul_ops:  # NCCL allows this once the call that uses the op returned
-                _nccl.red_op_destroy(op, self._comm)
+            for op in premul_ops if not self._aborted else ():
+                _nccl.red_op_destroy(op, self._comm)  # allowed once the call using it returned
         event = _cuda_check(_cudart.cudaEventCreateWithFlags(_cudart.cudaEventDisableTiming),
                             "cudaEventCreate")
-        _cuda_check(_cudart.cudaEventRecord(event, stream), "cudaEventRecord")
+        _cuda_check(_cudart.cudaEventRecord(event, self._stream), "cudaEventRecord")
         return NcclRequest(self, event, keep)
+
+    def _settle_call(self, op: str) -> None:
+        """A non-blocking communicator may return before a call is enqueued: wait for it."""
+        try:
+            self._settle(self._comm, self._timeout, None, op)
+        except CommError:
+            self._aborted = True   # _settle aborted it
+            raise
+
+    def _record_stream(self, bufs) -> None:
+        """Tell torch's caching allocator that the internal stream uses these tensors, so their
+        memory is not handed out again before the NCCL call has finished with it."""
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return
+        for buf in bufs:
+            if buf is not None and isinstance(buf.obj, torch.Tensor):
+                if self._torch_stream is None:
+                    self._torch_stream = torch.cuda.ExternalStream(self._stream, device=f"cuda:{self._device}")
+                buf.obj.record_stream(self._torch_stream)
 
     def _enqueue(self, d: OpDesc, stream: int, premul_ops: list) -> None:
         c, k = self._comm, d.kind
@@ -310,7 +418,7 @@ class NcclTransport(Transport):
         """ncclCommSplit: reuses the parent's connections. It is collective over the parent, so
         every parent rank must call it; a rank that joins no group passes ctx=None (NOCOLOR).
         A parent all-gather of the colours first turns a missing rank into CommTimeout, not a
-        hang inside NCCL."""
+        hang inside NCCL; the child (non-blocking like its parent) is polled under the timeout."""
         self._check()
         self._splits += 1
         self._ctx.store.all_gather(f"nccl/split{self._splits}", struct.pack("!q", color))
@@ -318,7 +426,11 @@ class NcclTransport(Transport):
         _cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
         comm = self._nccl_call(lambda: _nccl.comm_split(self._comm, color if joined else _NOCOLOR, key, 0),
                                self.rank, "split")
-        return type(self)(ctx, comm, self._device) if joined else None
+        self._settle_call("split")
+        if not joined:
+            return None
+        self._settle(comm, self._timeout, self.rank, "split")
+        return type(self)(ctx, comm, self._device)
 
     def abort(self) -> None:
         """ncclCommAbort: kills the kernels still running on this communicator; any thread."""
@@ -326,15 +438,26 @@ class NcclTransport(Transport):
             return
         self._aborted = True
         _nccl.comm_abort(self._comm)
+        self._free()
+
+    def _free(self) -> None:
         _cudart.cudaFree(self._scratch)
+        _cudart.cudaEventDestroy(self._ready)
+        _cudart.cudaStreamDestroy(self._stream)
 
     def close(self) -> None:
         if self._closed:
             return
         if not self._aborted:
-            # finalize flushes outstanding work; after a failure only abort is safe (no peers).
-            _nccl.comm_finalize(self._comm)
-            _nccl.comm_destroy(self._comm)
-            _cudart.cudaFree(self._scratch)
+            # finalize flushes outstanding work (non-blocking: polled, bounded by the timeout);
+            # after a failure only abort is safe (no peers).
+            try:
+                _nccl.comm_finalize(self._comm)
+                _poll(lambda: _nccl.comm_get_async_error(self._comm), time.monotonic() + self._timeout,
+                      "finalize", self._timeout)
+            except (CommTimeout, _nccl.NCCLError):
+                self.abort()
+            else:
+                _nccl.comm_destroy(self._comm)
+                self._free()
         self._closed = True
-

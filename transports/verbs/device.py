@@ -170,13 +170,6 @@ def cuda_allocation(ptr: int) -> tuple[int, int]:
     return int(base), int(base) + int(size)
 
 
-def cuda_copy(dst: int, src: int, nbytes: int, to_device: bool) -> None:
-    kind = _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice if to_device else \
-        _cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
-    if nbytes:
-        _check(_cudart.cudaMemcpy(dst, src, nbytes, kind), "cudaMemcpy")
-
-
 def cuda_flush_rdma_writes() -> None:
     """Make NIC writes that completed visible to later GPU work (GPUDirect RDMA ordering)."""
     _check(_cu.cuFlushGPUDirectRDMAWrites(

@@ -2,18 +2,16 @@
 
 send/recv go straight to the engine, zero copy, from host or GPU memory (GPUDirect RDMA).
 Collectives run on the transport's progress thread through comm.algorithms.run, whose
-reductions are numpy code: CUDA buffers of a collective are therefore staged through host
-memory (copied down, reduced on the CPU, copied back). Only send/recv are GPUDirect.
+reductions are numpy code: CUDA buffers of a collective are therefore staged through pinned
+host memory by comm.staging (copied down, reduced on the CPU, copied back). Only send/recv
+are GPUDirect.
 """
 from __future__ import annotations
-
-import dataclasses
-
-import numpy as np
 
 from comm import config
 from comm.buffers import Buffer
 from comm.errors import CommError, TransportUnavailable
+from comm.staging import Stager
 
 from ..base import (BootstrapContext, CollectiveQueue, OpDesc, OpKind, Request, Transport,
                     register)
@@ -55,9 +53,10 @@ class VerbsTransport(Transport):
     def __init__(self, ctx: BootstrapContext, engine: Engine):
         self.rank, self.size = ctx.rank, ctx.size
         self._engine = engine
-        self._collectives = _StagedCollectives(engine, f"comm-verbs-{ctx.group_name}",
+        self._collectives = _Collectives(engine, f"comm-verbs-{ctx.group_name}",
                                                timeout=ctx.timeout, chunk_bytes=config.get("COMM_CHUNK_BYTES"),
                                                algo=config.get("COMM_ALGO"))
+        self._stager = None
         self._closed = False
 
     @classmethod
@@ -87,6 +86,10 @@ class VerbsTransport(Transport):
             return MessageRequest(self._engine, self._message(desc.send, desc, send=True))
         if desc.kind is OpKind.RECV:
             return MessageRequest(self._engine, self._message(desc.recv, desc, send=False))
+        if Stager.involves(desc):   # the reductions run on the CPU: stage CUDA buffers
+            if self._stager is None:
+                self._stager = Stager(self._collectives.post, "verbs collectives")
+            return self._stager.post(desc, blocking)
         return self._collectives.post(desc, blocking)
 
     def _message(self, buf: Buffer, desc: OpDesc, send: bool) -> Message:
@@ -106,43 +109,16 @@ class VerbsTransport(Transport):
         self._engine.abort()      # a collective still queued fails instead of running
         self._collectives.stop()
         self._engine.close()
+        if self._stager is not None:
+            self._stager.close()
 
 
-class _StagedCollectives(CollectiveQueue):
-    """Collectives over the engine, CUDA buffers staged through host memory."""
+class _Collectives(CollectiveQueue):
+    """Collectives over the engine. Host copies of CUDA buffers (comm.staging's pinned blocks)
+    own no array, so their registrations are dropped after each collective."""
 
     def _run(self, desc: OpDesc, seq: int) -> None:
-        host, copy_back = stage_on_host(desc)
         try:
-            super()._run(host, seq)
+            super()._run(desc, seq)
         finally:
             self._p2p.forget_unowned()
-        copy_back()
-
-
-def stage_on_host(desc: OpDesc):
-    """(desc with host copies of its CUDA buffers, function copying the result back). In-place
-    relations survive: a send inside the recv range becomes a view of the host recv."""
-    if all(b is None or b.device != "cuda" for b in (desc.send, desc.recv)):
-        return desc, lambda: None
-    dev.cuda_bind((desc.recv or desc.send).device_index)
-    dev.cuda_sync()
-
-    def down(buf: Buffer) -> Buffer:
-        arr = np.empty(buf.nbytes, np.uint8)
-        dev.cuda_copy(arr.ctypes.data, buf.ptr, buf.nbytes, to_device=False)
-        return Buffer(arr.ctypes.data, buf.count, buf.dtype, (buf.count,), "cpu", 0, False, arr)
-
-    recv = down(desc.recv) if desc.recv is not None else None
-    send = desc.send
-    if send is not None and recv is not None and \
-            desc.recv.ptr <= send.ptr and send.ptr + send.nbytes <= desc.recv.ptr + desc.recv.nbytes:
-        send = recv.view((send.ptr - desc.recv.ptr) // send.dtype.itemsize, send.count)
-    elif send is not None:
-        send = down(send)
-
-    def copy_back() -> None:
-        if desc.recv is not None:
-            dev.cuda_copy(desc.recv.ptr, recv.ptr, recv.nbytes, to_device=True)
-
-    return dataclasses.replace(desc, send=send, recv=recv), copy_back

@@ -1,0 +1,303 @@
+"""CUDA buffers without a CUDA transport: staged through pinned host memory.
+
+Two things live here:
+
+- Which transport CUDA buffers take (`cuda_transport`): nccl when it can run on every rank
+  with a GPU of its own, else the CPU transport with staging. All ranks decide alike: each
+  publishes its GPU's PCI bus id (or why it has none) through the store, and every rank reads
+  the same records. Two ranks on one GPU (NCCL refuses that) or nccl4py missing on any rank
+  sends every rank down the staged path, with a one-time notice.
+- The staged path itself (`Stager`): a CUDA buffer handed to a CPU-only transport is copied
+  into pinned host memory on the caller's current CUDA stream, the stream is synchronised
+  (the CPU transport reads the copy at once), the host operation runs, and on completion the
+  output is copied back and the stream synchronised again before completion is reported, so
+  a caller that waited may read the result from any stream.
+
+CUDA calls go through cuda-bindings (`cuda.bindings.runtime`), which works on any CUDA
+pointer (torch, CuPy, DLPack): no torch import here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+
+from .buffers import Buffer
+from .errors import CommError, TransportUnavailable
+from .ops import OpDesc, Request
+
+try:  # optional: comes with the nccl extra (and with torch's CUDA builds' stacks)
+    from cuda.bindings import runtime as _cudart
+except ImportError:
+    _cudart = None
+
+NO_BINDINGS = "CUDA buffers need cuda-bindings here (pip install cuda-bindings, or the nccl extra)"
+
+
+# ---- CUDA runtime calls -----------------------------------------------------------------------
+def cuda_check(result, what: str):
+    """The value of a cuda-bindings call's (error, value...) tuple, or CommError naming the error."""
+    err, *rest = result
+    if err != _cudart.cudaError_t.cudaSuccess:
+        raise CommError(f"{what} failed: {_cudart.cudaGetErrorName(err)[1].decode()}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+def current_stream(device: int) -> int:
+    """The caller's current stream: torch's when torch has initialised CUDA, else the legacy
+    default stream (0). torch is never imported here."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return torch.cuda.current_stream(device).cuda_stream
+    return 0
+
+
+def pci_bus_id(device: int) -> str:
+    """The PCI bus id of CUDA device `device` ("0000:3b:00.0"): the same GPU has the same id in
+    every process, whatever CUDA_VISIBLE_DEVICES numbers it there."""
+    raw = cuda_check(_cudart.cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+    return raw.split(b"\0", 1)[0].decode().lower()
+
+
+# ---- agreement: who has which GPU ---------------------------------------------------------------
+def encode_record(bus_id: str | None, reason: str | None, extra: bytes = b"") -> bytes:
+    """One rank's entry: its GPU's bus id (and `extra`), or why it has none."""
+    if bus_id is None:
+        return b"-" + (reason or "no GPU").encode()
+    return b"+" + bus_id.encode() + b"|" + extra
+
+
+def decode_record(raw: bytes) -> tuple[str | None, str | None, bytes]:
+    """(bus id, reason, extra) of an encode_record entry."""
+    if raw[:1] == b"+":
+        bus, _, extra = raw[1:].partition(b"|")
+        return bus.decode(), None, extra
+    return None, raw[1:].decode(errors="replace"), b""
+
+
+def gpu_problem(records: list[tuple[str | None, str | None, bytes]]) -> str | None:
+    """Why the ranks cannot each drive a GPU of their own (None when they can): the ranks that
+    have no usable GPU with their reasons, else the ranks that share one (by PCI bus id)."""
+    failed = [f"rank {r}: {reason}" for r, (bus, reason, _) in enumerate(records) if bus is None]
+    if failed:
+        return "; ".join(failed)
+    owners: dict[str, list[int]] = {}
+    for r, (bus, _, _) in enumerate(records):
+        owners.setdefault(bus, []).append(r)
+    shared = [f"ranks {', '.join(map(str, rs))} share GPU {bus}" for bus, rs in owners.items() if len(rs) > 1]
+    if shared:
+        return "; ".join(shared) + " (NCCL needs one GPU per rank; give each process its own, e.g. " \
+                                   "torch.cuda.set_device(local_rank) or CUDA_VISIBLE_DEVICES)"
+    return None
+
+
+_noticed: set[str] = set()
+
+
+def notice_once(text: str) -> None:
+    """Print `text` to stderr the first time this process sees it."""
+    if text not in _noticed:
+        _noticed.add(text)
+        print(f"comm: {text}", file=sys.stderr, flush=True)
+
+
+def cuda_transport(store, cpu_transport: str, device: int | None) -> str:
+    """The transport for CUDA buffers, the same on every rank of the group behind `store`:
+    "nccl" when nccl runs on every rank and each has its own GPU, else `cpu_transport` (the
+    Communicator then stages CUDA buffers), said once on stderr. `device` is this rank's CUDA
+    device (None: the current one)."""
+    from transports import base
+    reason = base.unavailable_reason("nccl")
+    bus = None
+    if reason is None:
+        try:
+            bus = pci_bus_id(cuda_check(_cudart.cudaGetDevice(), "cudaGetDevice") if device is None else device)
+        except CommError as e:
+            reason = e.cause
+    records = [decode_record(r) for r in store.all_gather("cuda/transport", encode_record(bus, reason))]
+    problem = gpu_problem(records)
+    if problem is None:
+        return "nccl"
+    notice_once(f"CUDA tensors go through pinned host memory over the {cpu_transport} transport, "
+                f"because nccl cannot serve every rank ({problem})")
+    return cpu_transport
+
+
+# ---- the staged path ------------------------------------------------------------------------------
+class PinnedPool:
+    """Page-locked host blocks by power-of-two size, reused across operations (cudaMallocHost
+    costs far more than a copy)."""
+
+    def __init__(self, keep_per_size: int = 4):
+        self._free: dict[int, list[int]] = {}
+        self._keep = keep_per_size
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
+
+    def take(self, nbytes: int) -> tuple[int, int]:
+        size = self.size_class(nbytes)
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                return blocks.pop(), size
+        return cuda_check(_cudart.cudaMallocHost(size), "cudaMallocHost"), size
+
+    def give(self, ptr: int, size: int) -> None:
+        with self._lock:
+            blocks = self._free.setdefault(size, [])
+            if len(blocks) < self._keep:
+                blocks.append(ptr)
+                return
+        _cudart.cudaFreeHost(ptr)
+
+    def close(self) -> None:
+        with self._lock:
+            blocks, self._free = [p for b in self._free.values() for p in b], {}
+        for ptr in blocks:
+            _cudart.cudaFreeHost(ptr)
+
+
+def _within(inner: Buffer, outer: Buffer) -> bool:
+    return outer.ptr <= inner.ptr and inner.ptr + inner.nbytes <= outer.ptr + outer.nbytes
+
+
+class Stager:
+    """Posts operations whose buffers are on CUDA to a transport that only reaches host memory."""
+
+    def __init__(self, post, name: str):
+        """`post(desc, blocking) -> Request` runs host operations; `name` is what it is, for the
+        notice."""
+        if _cudart is None:
+            raise TransportUnavailable(NO_BINDINGS)
+        try:
+            err, count = _cudart.cudaGetDeviceCount()
+        except RuntimeError as e:   # cuda-bindings could not load a CUDA library
+            raise TransportUnavailable(f"CUDA cannot start in this process ({e})") from None
+        if err != _cudart.cudaError_t.cudaSuccess or count == 0:
+            why = f" ({_cudart.cudaGetErrorName(err)[1].decode()})" if err != _cudart.cudaError_t.cudaSuccess else ""
+            raise TransportUnavailable(f"CUDA reports no device in this process{why}")
+        self._post = post
+        self._pool = PinnedPool()
+        notice_once(f"CUDA buffers on {name} are staged through pinned host memory "
+                    "(a copy each way per operation)")
+
+    @staticmethod
+    def involves(desc: OpDesc) -> bool:
+        return (desc.send is not None and desc.send.device == "cuda") or \
+            (desc.recv is not None and desc.recv.device == "cuda")
+
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        cuda = desc.recv if desc.recv is not None and desc.recv.device == "cuda" else desc.send
+        device = cuda.device_index
+        cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
+        stream = current_stream(device)
+        staged = _Staged(self._pool, device, stream)
+        try:
+            host = staged.down(desc)
+            cuda_check(_cudart.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+            req = self._post(host, blocking)
+        except BaseException:
+            staged.release()
+            raise
+        return StagedRequest(req, staged)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+class _Staged:
+    """The pinned copies of one operation's CUDA buffers and the copy back of its output."""
+
+    def __init__(self, pool: PinnedPool, device: int, stream: int):
+        self._pool, self._device, self._stream = pool, device, stream
+        self._blocks: list[tuple[int, int]] = []
+        self._out: tuple[Buffer, Buffer] | None = None   # (CUDA destination, host copy)
+
+    def _host(self, buf: Buffer, copy: bool) -> Buffer:
+        ptr, size = self._pool.take(buf.nbytes)
+        self._blocks.append((ptr, size))
+        if copy and buf.nbytes:
+            cuda_check(_cudart.cudaMemcpyAsync(ptr, buf.ptr, buf.nbytes,
+                                               _cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self._stream),
+                       "cudaMemcpyAsync (device to host)")
+        return Buffer(ptr, buf.count, buf.dtype, buf.shape, "cpu", 0, False, None)
+
+    def down(self, desc: OpDesc) -> OpDesc:
+        """desc with host copies of its CUDA buffers (copies queued on the stream). An input
+        inside the output (in-place forms) becomes a view of the output's copy, so the host
+        operation sees the same aliasing; an output alone is not copied down (it is written)."""
+        send, recv = desc.send, desc.recv
+        host_recv = host_send = None
+        if recv is not None and recv.device == "cuda":
+            inplace = send is not None and _within(send, recv)
+            host_recv = self._host(recv, copy=inplace)
+            self._out = (recv, host_recv)
+            if inplace:
+                host_send = host_recv.view((send.ptr - recv.ptr) // send.dtype.itemsize, send.count)
+        if send is not None and host_send is None:
+            host_send = self._host(send, copy=True) if send.device == "cuda" else send
+        return dataclasses.replace(desc, send=host_send, recv=host_recv if host_recv is not None else recv)
+
+    def back(self) -> None:
+        """Copy the output up and wait for it: completion is reported only once the data is on
+        the GPU (the host copy is released right after)."""
+        try:
+            if self._out is not None and self._out[0].nbytes:
+                dst, src = self._out
+                cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
+                cuda_check(_cudart.cudaMemcpyAsync(dst.ptr, src.ptr, dst.nbytes,
+                                                   _cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self._stream),
+                           "cudaMemcpyAsync (host to device)")
+                cuda_check(_cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        blocks, self._blocks = self._blocks, []
+        for ptr, size in blocks:
+            self._pool.give(ptr, size)
+
+    def abandon(self) -> None:
+        """After a failed or timed-out operation the transport may still write into the host
+        copies: they are never reused (the communicator takes no more work anyway)."""
+        self._blocks, self._out = [], None
+
+
+class StagedRequest(Request):
+    """The host operation's request; completes once the output is back on the GPU."""
+
+    __slots__ = ("_req", "_staged", "_done", "_lock")
+
+    def __init__(self, req: Request, staged: _Staged):
+        self._req, self._staged, self._done = req, staged, False
+        self._lock = threading.Lock()
+
+    def _finish(self) -> None:
+        with self._lock:   # the waiter and a poller may both see the host op complete
+            if not self._done:
+                self._done = True
+                self._staged.back()
+
+    def test(self) -> bool:
+        if self._done:
+            return True
+        try:
+            if not self._req.test():
+                return False
+        except BaseException:
+            self._staged.abandon()
+            raise
+        self._finish()
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        if not self._done:
+            try:
+                self._req.wait(timeout)
+            except BaseException:
+                self._staged.abandon()
+                raise
+            self._finish()
