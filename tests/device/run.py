@@ -1,34 +1,50 @@
-"""Device check for a GPU machine (a few minutes): python tests/device/run.py
+"""Device check for a GPU machine: tests/device/run.sh (installs, builds, then runs this file).
 
-1. NCCL, world size 1 (one GPU cannot host two NCCL ranks), through comm.init(transport="nccl")
-   with torch CUDA tensors: every collective and every dtype, reductions with every op NCCL
-   takes for that dtype, async Work, in-place forms, all_to_all with splits, split, abort.
-2. The torch backend's CUDA path (comm.torch_backend, "comm" process group of one) when present.
-3. Verbs: discovery; with an RDMA device, a two-rank run over loopback (host and CUDA memory).
+Sections (each check prints PASS, FAIL or NOT RUN with the reason; a summary ends the run):
+1. NCCL at world size 1 through comm.init(transport="nccl") with torch CUDA tensors: every
+   collective and dtype, every op NCCL takes (PREMUL_SUM is the one whose result differs from
+   the input at one rank), async posting while the GPU is busy, split, abort, the unique id;
+   and two ranks on the one GPU, which must be refused on both ranks (not hang).
+2. The torch backend "comm": CUDA tensors at world size 1 via NCCL (Work.wait orders the
+   current stream without blocking the host, synchronize blocks, futures carry the device);
+   at world size 2 via the staged path (both ranks on the one GPU); DDP at 2 ranks staged.
+3. comm's API on CUDA tensors over the native transport (staged), two ranks.
+4. CUDA-array-interface (CuPy when installed, else a bare interface) and DLPack inputs.
+5. The verbs transport's CUDA helpers that need no NIC (current device, allocation range,
+   dma-buf export, flush, staging round trip), and a verbs run when an RDMA device exists.
 
-Prints one line per check and a summary; exits 1 on any failure, 2 when nothing could run
-(a section that cannot run here is NOT RUN, never counted as passed).
+Exit status: 0 when every check that ran passed, 1 on any failure, 2 when nothing could run.
+A watchdog prints every thread's stack and the summary if the budget (DEVICE_CHECK_BUDGET
+seconds, default 200) runs out, so a hang still reports.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib
+import importlib.metadata
 import os
+import subprocess
 import sys
+import threading
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 
 import comm  # noqa: E402
 from comm.types import DType, ReduceOp, op_allowed  # noqa: E402
 from transports import base  # noqa: E402
 
+BUDGET = float(os.environ.get("DEVICE_CHECK_BUDGET", "200"))
 RESULTS: list[tuple[str, str, str]] = []   # (status, name, detail)
+_running: list[str] = []                   # the check in progress, for the watchdog
 
 
 def check(name: str, fn, *args) -> None:
     t0 = time.monotonic()
+    _running[:] = [name]
     try:
         fn(*args)
     except Exception as e:  # every failure is reported, the sweep goes on
@@ -37,13 +53,86 @@ def check(name: str, fn, *args) -> None:
         if os.environ.get("DEVICE_CHECK_TRACE"):
             traceback.print_exc()
         return
+    finally:
+        _running.clear()
     RESULTS.append(("PASS", name, f"{time.monotonic() - t0:.2f}s"))
-    print(f"PASS {name}", flush=True)
+    print(f"PASS {name} ({time.monotonic() - t0:.1f} s)", flush=True)
 
 
 def not_run(name: str, why: str) -> None:
     RESULTS.append(("NOT RUN", name, why))
     print(f"NOT RUN {name}: {why}", flush=True)
+
+
+def summary() -> int:
+    counts = {s: sum(1 for r in RESULTS if r[0] == s) for s in ("PASS", "FAIL", "NOT RUN")}
+    print("\n==== summary:", ", ".join(f"{v} {k.lower()}" for k, v in counts.items()), flush=True)
+    for status, name, detail in RESULTS:
+        if status != "PASS":
+            print(f"  {status:7} {name}: {detail}", flush=True)
+    if counts["FAIL"]:
+        return 1
+    return 0 if counts["PASS"] else 2
+
+
+def _watchdog() -> None:
+    """If the budget runs out, a check hangs: show where, count it failed, report, exit."""
+    time.sleep(BUDGET)
+    name = _running[0] if _running else "between checks"
+    print(f"\nFAIL budget of {BUDGET:g} s exhausted while running: {name}; every thread's stack:", flush=True)
+    faulthandler.dump_traceback(all_threads=True)
+    RESULTS.append(("FAIL", name, f"still running after the {BUDGET:g} s budget (hang)"))
+    summary()
+    os._exit(1)
+
+
+def _run_ranks(fn, n: int, **kw):
+    from harness import run_ranks
+    return run_ranks(fn, n, timeout=90, **kw)
+
+
+# ---- header ------------------------------------------------------------------------------------------
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def header() -> None:
+    lines = [f"python {sys.version.split()[0]}"]
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        lines.append(f"GPU, driver, memory: {smi.stdout.strip() or smi.stderr.strip()}")
+    except (OSError, subprocess.TimeoutExpired) as e:
+        lines.append(f"nvidia-smi: {e}")
+    try:
+        import torch
+        lines.append(f"torch {torch.__version__} (CUDA {torch.version.cuda}), CUDA available: "
+                     f"{torch.cuda.is_available()}, devices: {torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    except ImportError:
+        lines.append("torch absent")
+    lines.append(f"nccl4py {_version('nccl4py')}, cuda-bindings {_version('cuda-bindings')}, cupy "
+                 f"{_version('cupy-cuda13x') if _version('cupy-cuda13x') != 'absent' else _version('cupy-cuda12x')}")
+    try:
+        from transports.nccl import _nccl
+        code = _nccl.get_version() if _nccl is not None else None
+        lines.append(f"libnccl {code // 10000}.{code // 100 % 100}.{code % 100}" if code else "libnccl: nccl4py absent")
+    except Exception as e:  # noqa: BLE001 - the header reports, never fails
+        lines.append(f"libnccl: {type(e).__name__}: {e}")
+    lines.append("transports that can run here: "
+                 + ", ".join(n for n in base.names() if base.unavailable_reason(n) is None))
+    print("device check\n  " + "\n  ".join(lines), flush=True)
+
+
+def cuda_reason() -> str | None:
+    """Why CUDA tensors cannot be made here (None when they can)."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "torch sees no CUDA device"
 
 
 # ---- NCCL, world of one ----------------------------------------------------------------------------
@@ -152,6 +241,26 @@ def nccl_lifecycle(world, torch) -> None:
         sub.close()
     check("nccl split (ncclCommSplit)", split)
 
+    def post_does_not_block():
+        # the GPU is kept busy on the caller's stream; posting must return long before it is done
+        torch.cuda._sleep(1_000_000_000)                 # about half a second or more
+        x = torch.ones(1 << 20, device="cuda")
+        t0 = time.monotonic()
+        work = world.all_reduce(x, op=comm.premul_sum(2.0), async_op=True)
+        posted = time.monotonic() - t0
+        pending = not work.is_completed()
+        work.wait()
+        assert posted < 0.2 and pending, (posted, pending)
+        assert float(x.sum()) == 2.0 * (1 << 20)           # it ran after the fill (stream order)
+    check("nccl async post returns while the GPU is busy; result after the producer", post_does_not_block)
+
+    def unique_id():
+        from transports.nccl import NcclTransport, _nccl
+        uid = NcclTransport._nccl_call(_nccl.get_unique_id, 0, "init")
+        raw = bytes(uid)
+        assert len(raw) == 128 and bytes(_nccl.UniqueId.from_buffer(bytearray(raw))) == raw
+    check("nccl unique id through the error mapping, bytes round trip", unique_id)
+
     def abort():
         other = comm.init(transport="nccl", master_port=_port())
         other.abort()
@@ -172,14 +281,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+
+
 def section_nccl() -> None:
-    reason = base.unavailable_reason("nccl")
+    reason = base.unavailable_reason("nccl") or cuda_reason()
     if reason is not None:
-        return not_run("nccl", reason)
-    try:
-        import torch
-    except ImportError:
-        return not_run("nccl", "torch is not installed")
+        return not_run("nccl (world of one, and two ranks on one GPU)", reason)
+    import torch
     world = comm.init(transport="nccl", master_port=_port())
     try:
         nccl_sweep(world, torch)
@@ -187,65 +295,189 @@ def section_nccl() -> None:
     finally:
         world.close()
 
+    def shared_gpu():
+        from ranks import nccl_shared_gpu
+        for message, seconds in _run_ranks(nccl_shared_gpu, 2, init=False):
+            assert "share GPU" in message and seconds < 30, (message, seconds)
+    check("nccl refuses two ranks on one GPU on every rank, before init (no hang)", shared_gpu)
 
-# ---- torch backend ---------------------------------------------------------------------------------
+
+# ---- torch backend -----------------------------------------------------------------------------------
 def section_torch_backend() -> None:
+    reason = cuda_reason()
+    if reason is not None:
+        return not_run("torch backend on CUDA (world of one via nccl, two ranks staged, DDP)", reason)
+    import torch
+    import torch.distributed as dist
+    importlib.import_module("comm.torch_backend")   # registers the "comm" backend
+    nccl_reason = base.unavailable_reason("nccl")
+    if nccl_reason is not None:
+        not_run("torch backend 'comm' on CUDA via nccl (world of one)", nccl_reason)
+    else:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
+
+        def cuda_path():
+            dist.init_process_group("comm", rank=0, world_size=1)
+            try:
+                x = torch.arange(8, dtype=torch.float32, device="cuda")
+                dist.all_reduce(x)
+                assert torch.equal(x.cpu(), torch.arange(8, dtype=torch.float32))
+                out = [torch.empty(8, device="cuda")]
+                dist.all_gather(out, x)
+                assert torch.equal(out[0], x)
+                # Work.wait() orders the current stream and returns while the GPU is still busy
+                torch.cuda._sleep(1_000_000_000)
+                y = torch.ones(1 << 20, device="cuda")
+                work = dist.all_reduce(y, op=dist.ReduceOp.AVG, async_op=True)
+                t0 = time.monotonic()
+                work.wait()
+                waited = time.monotonic() - t0
+                assert waited < 0.2 and not work.is_completed(), (waited, work.is_completed())
+                work.synchronize()                              # this one blocks
+                assert work.is_completed() and float(y.sum()) == float(1 << 20)
+                fut = dist.all_reduce(y, async_op=True).get_future()
+                value = fut.wait()
+                assert value[0].is_cuda and float(value[0].sum()) == float(1 << 20)
+                dist.barrier()
+            finally:
+                dist.destroy_process_group()
+        check("torch backend 'comm' on CUDA via nccl (world of one): wait orders the stream, "
+              "synchronize blocks, futures carry the device", cuda_path)
+
+    def staged():
+        from ranks import torch_staged
+        for notices in _run_ranks(torch_staged, 2, init=False):
+            assert len(notices) == 1, notices
+    check("torch backend on CUDA, two ranks on one GPU: agreed staged path", staged)
+
+    def ddp():
+        from ranks import ddp_staged
+        moved = _run_ranks(ddp_staged, 2, init=False)
+        assert moved[0] == moved[1]
+    check("DDP on CUDA, two ranks on one GPU (staged): gradients averaged, parameters equal", ddp)
+
+
+def section_comm_staged() -> None:
+    reason = cuda_reason()
+    if reason is not None:
+        return not_run("comm API on CUDA tensors over native (staged), two ranks", reason)
+    from ranks import comm_staged
+    check("comm API on CUDA tensors over native (staged), two ranks", lambda: _run_ranks(comm_staged, 2))
+
+
+# ---- CUDA-array-interface and DLPack inputs ------------------------------------------------------------
+class BareCAI:
+    """Only __cuda_array_interface__ (what CuPy and Numba arrays offer), over a torch tensor."""
+
+    def __init__(self, t):
+        self.t, self.__cuda_array_interface__ = t, t.__cuda_array_interface__
+
+
+class BareDLPack:
+    """Only the DLPack protocol (what JAX and others offer), over a torch tensor."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def __dlpack__(self, stream=None):
+        return self.t.__dlpack__(stream=stream)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+def section_array_inputs() -> None:
+    reason = cuda_reason()
+    if reason is not None:
+        return not_run("CUDA-array-interface and DLPack inputs", reason)
+    import torch
     try:
-        import torch
-        import torch.distributed as dist
-        importlib.import_module("comm.torch_backend")   # registers the "comm" backend
-    except ImportError as e:
-        return not_run("torch backend", f"cannot import it: {e}")
-    if not torch.cuda.is_available():
-        return not_run("torch backend", "torch sees no CUDA device")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_port()))
-
-    def cuda_path():
-        dist.init_process_group("comm", rank=0, world_size=1)
+        import cupy
+    except ImportError:
+        cupy = None
+    worlds = [("native (staged)", "native")]
+    if base.unavailable_reason("nccl") is None:
+        worlds.append(("nccl", "nccl"))
+    for label, transport in worlds:
+        world = comm.init(transport=transport, rank=0, world_size=1, master_port=_port())
         try:
-            x = torch.arange(8, dtype=torch.float32, device="cuda")
-            dist.all_reduce(x)
-            assert torch.equal(x.cpu(), torch.arange(8, dtype=torch.float32))
-            out = [torch.empty(8, device="cuda")]
-            dist.all_gather(out, x)
-            assert torch.equal(out[0], x)
-            work = dist.all_reduce(x, op=dist.ReduceOp.AVG, async_op=True)
-            work.wait()
-            dist.barrier()
+            def inputs(world=world):
+                t = torch.arange(12, dtype=torch.float32, device="cuda")
+                world.all_reduce(BareCAI(t), op=comm.premul_sum(2.0))
+                world.all_reduce(BareDLPack(t), op=comm.premul_sum(3.0))
+                torch.cuda.synchronize()
+                assert torch.equal(t.cpu(), torch.arange(12, dtype=torch.float32) * 6), t
+                if cupy is not None:
+                    c = cupy.arange(12, dtype=cupy.float32)
+                    world.all_reduce(c, op=comm.premul_sum(2.0))
+                    assert float(c.sum()) == 2 * 66.0
+            check(f"{label}: __cuda_array_interface__ {'(CuPy and bare)' if cupy else '(bare; CuPy absent)'} "
+                  "and DLPack inputs", inputs)
         finally:
-            dist.destroy_process_group()
-    check("torch backend 'comm' on CUDA tensors (world of one)", cuda_path)
+            world.close()
 
 
-# ---- verbs -----------------------------------------------------------------------------------------
+# ---- verbs -------------------------------------------------------------------------------------------
 def section_verbs() -> None:
+    reason = cuda_reason()
+    if reason is not None:
+        not_run("verbs CUDA helpers (no NIC needed)", reason)
+    else:
+        check("verbs CUDA helpers: allocation range, dma-buf export, flush, staged round trip", verbs_helpers)
     reason = base.unavailable_reason("verbs")
     if reason is not None:
-        return not_run("verbs", reason)
+        return not_run("verbs two ranks", reason)
     from harness import run_ranks
     from test_verbs import _ring_exchange
     check("verbs two ranks, host memory", lambda: run_ranks(_ring_exchange, 2, transport="verbs", timeout=120))
 
 
+def verbs_helpers() -> None:
+    import torch
+    from comm.ops import DONE
+    from comm.staging import Stager
+    from transports.verbs import device as vd
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    vd.cuda_bind(t.device.index or 0)
+    vd.cuda_sync()
+    start, end = vd.cuda_allocation(t.data_ptr())
+    assert start <= t.data_ptr() and t.data_ptr() + t.numel() * 4 <= end
+    fd = vd._dmabuf_fd(start, end - start)
+    print(f"    dma-buf export of the allocation: {'fd ' + str(fd) if fd is not None else 'not offered by this driver'}")
+    if fd is not None:
+        os.close(fd)
+    try:
+        vd.cuda_flush_rdma_writes()
+    except comm.CommError as e:   # some drivers report "not supported" without an RDMA consumer
+        print(f"    cuFlushGPUDirectRDMAWrites: {e}")
+    seen = []
+
+    def host_op(desc, blocking):   # the CPU side of a staged collective: double the host copy
+        import numpy as np
+        arr = np.frombuffer((__import__("ctypes").c_float * desc.recv.count).from_address(desc.recv.ptr), np.float32)
+        seen.append(float(arr[1]))
+        arr *= 2
+        return DONE
+    stager = Stager(host_op, "the device check")
+    from comm.buffers import as_buffer
+    from comm.ops import OpDesc, OpKind
+    buf = as_buffer(t, op="all_reduce", writable=True)
+    stager.post(OpDesc(OpKind.ALL_REDUCE, buf, buf, buf.dtype, buf.count), True).wait(30)
+    stager.close()
+    assert seen == [1.0] and torch.equal(t.cpu(), torch.arange(1 << 20, dtype=torch.float32) * 2)
+
+
 def main() -> int:
-    print(f"device check: python {sys.version.split()[0]}, "
-          f"COMM transports here: {', '.join(n for n in base.names() if base.unavailable_reason(n) is None)}",
-          flush=True)
-    for section in (section_nccl, section_torch_backend, section_verbs):
+    threading.Thread(target=_watchdog, name="device-check-watchdog", daemon=True).start()
+    header()
+    for section in (section_nccl, section_torch_backend, section_comm_staged, section_array_inputs, section_verbs):
         try:
             section()
         except Exception as e:
             RESULTS.append(("FAIL", section.__name__, f"{type(e).__name__}: {e}"))
             print(f"FAIL {section.__name__}: {type(e).__name__}: {e}", flush=True)
             traceback.print_exc()
-    counts = {s: sum(1 for r in RESULTS if r[0] == s) for s in ("PASS", "FAIL", "NOT RUN")}
-    print("\n==== summary:", ", ".join(f"{v} {k.lower()}" for k, v in counts.items()))
-    for status, name, detail in RESULTS:
-        if status != "PASS":
-            print(f"  {status:7} {name}: {detail}")
-    if counts["FAIL"]:
-        return 1
-    return 0 if counts["PASS"] else 2
+    return summary()
 
 
 if __name__ == "__main__":

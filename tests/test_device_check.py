@@ -1,0 +1,48 @@
+"""The GPU device check (tests/device/run.sh) as it behaves on a machine without a GPU: every
+check is NOT RUN with its reason, the exit status says "nothing could run" (2), and a hang is
+still reported with a summary by the watchdog."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_SH = os.path.join(ROOT, "tests", "device", "run.sh")
+
+
+def _has_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+pytestmark = pytest.mark.skipif(_has_gpu(), reason="a GPU is present: run tests/device/run.sh itself")
+
+
+def _run(*args, **env):
+    return subprocess.run(["bash", RUN_SH, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHON=sys.executable, **env))
+
+
+def test_dry_run_reports_every_check_not_run_with_its_reason():
+    done = _run("--dry-run")
+    out = done.stdout
+    assert done.returncode == 2, out + done.stderr          # nothing could run: not a failure
+    assert "dry run: nothing installed or built" in out
+    assert "device check" in out and "torch" in out and "nccl4py" in out and "libnccl" in out   # header
+    assert "FAIL" not in out
+    not_run = [line for line in out.splitlines() if line.startswith("NOT RUN ")]
+    assert len(not_run) >= 5 and all(": " in line and line.split(": ", 1)[1].strip() for line in not_run)
+    assert "==== summary: 0 pass, 0 fail" in out
+
+
+def test_watchdog_reports_a_hang_with_stacks_and_summary():
+    done = _run("--dry-run", DEVICE_CHECK_BUDGET="0")        # the budget is gone at once
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "budget of 0 s exhausted" in done.stdout and "==== summary" in done.stdout
+    assert "Thread" in done.stderr or "File" in done.stderr  # faulthandler's stacks
