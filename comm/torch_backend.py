@@ -140,6 +140,8 @@ class TorchWork(dist.distributed_c10d.Work):
         self._pg, self._op, self._result = pg, op, result
         self._copies = copies      # (destination, staging) pairs to copy back on success
         # CUDA: the future knows its device, so its consumers' streams wait on its events.
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self._device = device if device is not None and device.type == "cuda" else None
         self._future = torch.futures.Future(devices=[self._device]) if self._device else torch.futures.Future()
         self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
@@ -159,7 +161,9 @@ class TorchWork(dist.distributed_c10d.Work):
         """Wait on the comm operations, copy staged outputs back, resolve the future."""
         try:
             for w in comm_works:
-                if w is not None:
+                if isinstance(w, TorchWork):   # coalesced: done means done on the GPU too
+                    w._host_wait(timeout)
+                elif w is not None:
                     w.wait(timeout)
             for dst, src in self._copies:
                 dst.copy_(src)

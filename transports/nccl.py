@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import struct
 import sys
-import time
 
 import numpy as np
 
@@ -41,7 +40,7 @@ from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgumen
 from comm.staging import cuda_check as _cuda_check
 from comm.types import DType, ReduceOp
 
-from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, register
+from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, poll_until, register
 
 try:  # optional: the nccl-cu12 / nccl-cu13 extra
     from cuda.bindings import runtime as _cudart
@@ -118,16 +117,16 @@ def choose_device(count: int, current: int, local_rank: int) -> int:
                                "CUDA_VISIBLE_DEVICES so each rank has one")
 
 
-def _poll(state, deadline: float, what: str, timeout: float) -> int:
+def _poll(state, timeout: float, what: str) -> int:
     """Poll state() while NCCL says ncclInProgress; the final state, or CommTimeout."""
-    pause = 0.0
-    while (result := state()) == _RESULT_IN_PROGRESS:
-        if time.monotonic() >= deadline:
-            raise CommTimeout(f"NCCL {what} did not finish within {timeout:g} s "
-                              "(a rank did not arrive, or is hung)")
-        time.sleep(pause)
-        pause = min(pause * 2 or 1e-5, 1e-3)
-    return result
+    last = [_RESULT_IN_PROGRESS]
+
+    def finished() -> bool:
+        last[0] = state()
+        return last[0] != _RESULT_IN_PROGRESS
+    poll_until(finished, timeout, lambda: CommTimeout(f"NCCL {what} did not finish within {timeout:g} s "
+                                                       "(a rank did not arrive, or is hung)"))
+    return last[0]
 
 
 class NcclRequest(Request):
@@ -163,17 +162,14 @@ class NcclRequest(Request):
                         "cudaStreamWaitEvent")
 
     def wait(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.0
-        while not self.test():
-            if deadline is not None and time.monotonic() >= deadline:
-                # A kernel waiting on a dead or hung peer never finishes: abort so the GPU and
-                # the stream are freed; the communicator is poisoned by the timeout anyway.
-                self._transport._fail_abort()
-                raise CommTimeout(f"NCCL operation not completed within {timeout:g} s (a peer is "
-                                  "slow, hung, dead, or called a different collective)")
-            time.sleep(pause)
-            pause = min(pause * 2 or 1e-5, 1e-3)
+        poll_until(self.test, timeout, lambda: self._timed_out(timeout))
+
+    def _timed_out(self, timeout: float) -> CommTimeout:
+        # A kernel waiting on a dead or hung peer never finishes: abort so the GPU and the
+        # stream are freed; the communicator is poisoned by the timeout anyway.
+        self._transport._fail_abort()
+        return CommTimeout(f"NCCL operation not completed within {timeout:g} s (a peer is slow, hung, "
+                           "dead, or called a different collective)")
 
 
 @register
@@ -268,7 +264,7 @@ class NcclTransport(Transport):
         """Wait until a non-blocking call on `comm` has finished; abort the communicator and
         raise if it failed or did not finish within `timeout`."""
         try:
-            state = _poll(lambda: _nccl.comm_get_async_error(comm), time.monotonic() + timeout, op, timeout)
+            state = _poll(lambda: _nccl.comm_get_async_error(comm), timeout, op)
         except CommTimeout as e:
             _nccl.comm_abort(comm)
             raise e.locate(rank, op) from None
@@ -453,8 +449,7 @@ class NcclTransport(Transport):
             # after a failure only abort is safe (no peers).
             try:
                 _nccl.comm_finalize(self._comm)
-                _poll(lambda: _nccl.comm_get_async_error(self._comm), time.monotonic() + self._timeout,
-                      "finalize", self._timeout)
+                _poll(lambda: _nccl.comm_get_async_error(self._comm), self._timeout, "finalize")
             except (CommTimeout, _nccl.NCCLError):
                 self.abort()
             else:
