@@ -3,7 +3,8 @@
 A Python subclass of ``torch.distributed.ProcessGroup`` (torch calls its methods directly, so no
 C++ extension is needed). Each process group lazily creates one ``comm.Communicator`` per device
 type on its first operation there: CPU tensors go to COMM_TRANSPORT (default native), CUDA
-tensors to a CUDA-capable transport (nccl). Connection set-up goes through the store torch
+tensors to nccl, or, when the ranks agree nccl cannot serve them all, staged through pinned
+host memory over COMM_TRANSPORT (comm.staging). Connection set-up goes through the store torch
 hands to the backend factory, so every new_group / DeviceMesh dimension gets its own
 communicator without another rendezvous.
 

@@ -203,8 +203,9 @@ class NcclTransport(Transport):
         self._splits = 0
         _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
         self._scratch = _cuda_check(_cudart.cudaMalloc(4), "cudaMalloc")  # barrier's all-reduce
-        self._stream = _cuda_check(_cudart.cudaStreamCreateWithFlags(_cudart.cudaStreamNonBlocking),
-                                   "cudaStreamCreate")
+        # the internal stream, as the integer handle nccl4py's calls take
+        self._stream = int(_cuda_check(_cudart.cudaStreamCreateWithFlags(_cudart.cudaStreamNonBlocking),
+                                       "cudaStreamCreate"))
         self._ready = _cuda_check(_cudart.cudaEventCreateWithFlags(_cudart.cudaEventDisableTiming),
                                   "cudaEventCreate")   # "the caller's stream got here", reused
         self._torch_stream = None
