@@ -9,6 +9,7 @@ import sys
 
 from comm import config
 from comm.types import DType, ReduceOp, op_allowed
+from transports import base
 
 from . import report
 from .benchmarks import Params, load_all
@@ -97,7 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default=None,
                    help="comma-separated list, e.g. native,mpi-raw,gloo (default COMM_TRANSPORT)")
     p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema comm-bench/1)")
-    p.add_argument("--plot", metavar="FILE.png", help="write busbw against size as a PNG")
+    p.add_argument("--plot", metavar="FILE.png", help="write busbw against size as a PNG (needs matplotlib); "
+                                                      f"more than {report.PANELS_PER_FILE} panels continue in FILE-2.png, ...")
+    p.add_argument("--plot-logy", action="store_true", help="log scale for busbw in the plot (small sizes readable)")
     p.add_argument("--np", type=_positive(int), default=0, help="self-launch this many local ranks")
     p.add_argument("--no-mpirun", action="store_true", help="self-launch plain processes even for mpi-raw")
     p.add_argument("--time-budget", type=float, default=0.25,
@@ -106,10 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """The flags, checked before anything starts: a mistake exits 2 with argparse's usage line."""
+    p = build_parser()
+    args = p.parse_args(argv)
     args.transports = [t.strip() for t in (args.transport or config.get("COMM_TRANSPORT")).split(",") if t.strip()]
+    known = base.names() + list(ANCHORS)
+    unknown = [t for t in args.transports if t not in known]
+    if unknown or not args.transports:
+        p.error(f"--transport: unknown {', '.join(map(repr, unknown)) or 'empty list'}; known: {', '.join(known)}")
     if args.average == "all":
-        raise SystemExit("-a takes 0, 1, 2 or 3")
+        p.error("-a takes 0, 1, 2 or 3")
+    if not sizes(args):
+        p.error(f"no size to measure: -b {args.minbytes} is larger than -e {args.maxbytes}")
+    missing = [n for n in args.benchmarks if n != "all" and n not in load_all()]
+    if missing:
+        p.error(f"unknown benchmark {', '.join(missing)}; known: {', '.join(load_all())}, all")
+    if args.plot and report.plot_unavailable():
+        p.error(f"--plot: {report.plot_unavailable()}")
     return args
 
 
@@ -128,10 +144,7 @@ def _benchmarks(args, known: dict) -> list:
     names = args.benchmarks or ["all_reduce"]
     if "all" in names:
         names = list(known)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown benchmark {', '.join(unknown)}; known: {', '.join(known)}, all")
-    return [known[n] for n in names]
+    return [known[n] for n in names]   # parse_args refused unknown names
 
 
 def _ops(args, bench, dtype: DType) -> list:
@@ -179,7 +192,7 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
         pr.note(f"root {args.root} is not a rank of this {world.size}-rank job")
         return 2
     _preamble(pr, args, world, opts, ctl)
-    rows, status, failed = [], [], False
+    rows, status, failed = [], [], []   # failed: why the exit status is 1
     dtypes = ALL_DTYPES if args.datatype == "all" else [args.datatype]
     for name in args.transports:
         runner = make_runner(name)
@@ -198,8 +211,9 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
                 ctl.fail(e)
             ctl.gather("up")
         except StepFailed as e:
-            pr.line(f"# {name}: skipped: cannot start ({e})")
-            status.append({"name": name, "kind": runner.kind, "status": "skipped", "reason": str(e)})
+            failed.append(f"{name} could not start ({e})")
+            pr.line(f"# {name}: failed: cannot start ({e})")
+            status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": f"cannot start: {e}"})
             _teardown(runner)
             continue
         kind = "this library" if runner.kind == "comm" else "anchor"
@@ -208,20 +222,30 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
             rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr)
             status.append({"name": name, "kind": runner.kind, "status": "ok", "reason": None})
         except StepFailed as e:
-            failed = True
+            failed.append(f"{name} failed ({e})")
             pr.line(f"# {name}: failed: {e}; its remaining benchmarks are skipped")
             status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": str(e)})
         _teardown(runner)
     table = report.comparison(rows, args.transports, ANCHORS)
     if table:
         pr.line(table)
+    if any(m.wrong for r in rows for m in r.modes.values() if m is not None):
+        failed.append("#wrong is not 0: some results were wrong")
+    if not rows:
+        skipped = "; ".join(f"{s['name']}: {s['reason']}" for s in status if s["status"] == "skipped")
+        failed.append("nothing was measured" + (f" ({skipped})" if skipped else ""))
     if world.rank == 0:
+        written = []
         if args.json:
             report.write_json(args.json, report.to_json(rows, status, report.settings_json(opts, args), raw, world))
-        if args.plot:
-            report.plot(args.plot, rows, args.transports)
-    wrong = any(m.wrong for r in rows for m in r.modes.values() if m is not None)
-    return 1 if wrong or failed else 0
+            written.append(args.json)
+        if args.plot and rows:
+            written += report.plot(args.plot, rows, args.transports, log_y=args.plot_logy)
+        for path in written:
+            pr.line(f"# wrote {path}")
+        for why in failed:
+            pr.note(f"exit status 1: {why}")
+    return 1 if failed else 0
 
 
 def _teardown(runner) -> None:

@@ -20,7 +20,9 @@ summed over ranks (null when -c 0). A missing mode (not supported by that librar
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
+import os
 import socket
 import sys
 import time
@@ -182,42 +184,70 @@ def write_json(path: str, doc: dict) -> None:
         f.write("\n")
 
 
-MAX_PANELS = 8
+PANELS_PER_FILE = 12   # 4 rows of 3 stay readable on a screen; more panels go to further files
+COLUMNS = 3
 
 
-def plot(path: str, rows: list[Row], transports: list[str]) -> None:
-    """busbw against size, one line per transport, one panel per (benchmark, dtype, op), at most
-    MAX_PANELS panels (the first ones of the run)."""
+def plot_unavailable() -> str | None:
+    """None when --plot can work here, else why not and what to install."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return "matplotlib is not installed; pip install matplotlib (or the test extra: pip install -e '.[test]')"
+    return None
+
+
+def plot_files(path: str, panels: int) -> list[str]:
+    """FILE.png, then FILE-2.png, FILE-3.png, ... : PANELS_PER_FILE panels each, none dropped."""
+    stem, ext = os.path.splitext(path)
+    pages = max(1, -(-panels // PANELS_PER_FILE))
+    return [path] + [f"{stem}-{page}{ext or '.png'}" for page in range(2, pages + 1)]
+
+
+def plot(path: str, rows: list[Row], transports: list[str], log_y: bool = False) -> list[str]:
+    """busbw against size, one line per transport, one panel per (benchmark, dtype, op); returns
+    the files written (every panel is in one of them)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = [k for k in dict.fromkeys(_key(r) for r in rows) if any(r.size for r in rows if _key(r) == k)]
-    keys = keys[:MAX_PANELS]   # -d all -o all makes dozens: the first ones tell the story
-    panels = max(1, len(keys))
-    fig, axes = plt.subplots(panels, 1, figsize=(8, 4 * panels), squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
-        group = [r for r in rows if _key(r) == key]
-        mode = common_mode(group)
-        for t in transports:
-            pts = []
-            for r in group:
-                if r.transport == t:
-                    m = r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place"))
-                    pts.append((r.size, m.busbw))
-            if pts:
-                ax.plot(*zip(*sorted(pts)), marker="o", markersize=3, label=t)
-        bench, dtype, op, _ = key
-        ax.set_title(" ".join(x for x in (bench, dtype is not None and dtype_name(dtype),
-                                          op is not None and op_name(op), mode) if x))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("size (bytes)")
-        ax.set_ylabel("busbw (GB/s)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    files = plot_files(path, len(keys))
+    for page, file in enumerate(files):
+        chunk = keys[page * PANELS_PER_FILE:(page + 1) * PANELS_PER_FILE]
+        cols = max(1, min(COLUMNS, len(chunk)))
+        lines = max(1, -(-len(chunk) // cols))
+        fig, axes = plt.subplots(lines, cols, figsize=(6 * cols, 4 * lines), squeeze=False)
+        for ax in axes.flat[len(chunk):]:
+            ax.set_visible(False)
+        for ax, key in zip(axes.flat, chunk):
+            _panel(ax, key, [r for r in rows if _key(r) == key], transports, log_y)
+        if len(files) > 1:
+            fig.suptitle(f"{os.path.basename(path)}: part {page + 1} of {len(files)}")
+        fig.tight_layout()
+        fig.savefig(file, format="png", dpi=100)
+        plt.close(fig)
+    return files
+
+
+def _panel(ax, key: tuple, group: list[Row], transports: list[str], log_y: bool) -> None:
+    mode = common_mode(group)
+    for t in transports:
+        pts = []
+        for r in group:
+            if r.transport == t:
+                m = r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place"))
+                pts.append((r.size, m.busbw))
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", markersize=3, label=t)
+    bench, dtype, op, _ = key
+    ax.set_title(" ".join(x for x in (bench, dtype is not None and dtype_name(dtype),
+                                      op is not None and op_name(op), mode) if x))
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel("size (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
 
 
 class Printer:

@@ -19,6 +19,10 @@ from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, M
 from .types import DType, PremulSum, ReduceOp, premul_sum
 from .work import Work
 
+# What tells this library apart from Jupyter's package of the same import name (see
+# comm_collectives_autoload, the torch entry point, and python -m bench).
+DISTRIBUTION = "comm-collectives"
+
 SUM = ReduceOp.SUM
 PRODUCT = ReduceOp.PRODUCT
 MIN = ReduceOp.MIN
@@ -98,10 +102,3 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
         store.close()
         raise
 
-
-def _torch_autoload() -> None:
-    """Entry point of torch's `torch.backends` group, called at `import torch`: registers the
-    "comm" process-group backend. It lives here, not in comm.torch_backend, because that module
-    imports torch itself: when it is what triggered `import torch`, this import returns the
-    half-imported module, which registers the backend as its import finishes."""
-    import comm.torch_backend  # noqa: F401

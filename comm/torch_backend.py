@@ -9,7 +9,7 @@ hands to the backend factory, so every new_group / DeviceMesh dimension gets its
 communicator without another rendezvous.
 
 Registration: ``import comm.torch_backend`` (or, when the package is installed, nothing: the
-``torch.backends`` entry point calls ``comm._torch_autoload`` at ``import torch``).
+``torch.backends`` entry point calls ``comm_collectives_autoload.register`` at ``import torch``).
 
 Asynchronous operations return a ``TorchWork`` whose future completes without anyone calling
 wait(): one completion thread per communicator waits on the transport's requests in posting

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from comm.types import DType, ReduceOp, op_allowed
+from transports import base
 
 from bench import cli, data, report
 from bench.benchmarks import BENCHMARKS, load_all, set_fault_hook
@@ -184,9 +185,8 @@ def test_every_dtype_and_op_checks_clean():
 def test_single_rank_everything(tmp_path):
     js, png = tmp_path / "r.json", tmp_path / "r.png"
     rc, text = _run(["all", "-b", "8", "-e", "1K", "-f", "32", "-n", "2", "-w", "1",
-                     "--transport", "native,nonesuch,gloo", "--json", str(js), "--plot", str(png)])
+                     "--transport", "native,gloo", "--json", str(js), "--plot", str(png)])
     assert rc == 0, text
-    assert "# nonesuch: skipped: unknown transport 'nonesuch'" in text
     for name in BENCHMARKS:
         if name != "sendrecv":   # needs two ranks
             assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in _table_rows(text, name)), name
@@ -197,19 +197,92 @@ def test_single_rank_everything(tmp_path):
                          "transports", "results", "summary"]
     assert list(doc["settings"]) == ["min_bytes", "max_bytes", "step_bytes", "step_factor", "iters",
                                      "warmup_iters", "check", "average", "time_budget_s", "root"]
-    assert [t["status"] for t in doc["transports"]] == ["ok", "skipped", "ok"]
+    assert [t["status"] for t in doc["transports"]] == ["ok", "ok"]
     assert list(doc["transports"][0]) == ["name", "kind", "status", "reason"]
     res = doc["results"][0]
     assert list(res) == ["transport", "benchmark", "dtype", "redop", "root", "size_bytes", "count",
                          "out_of_place", "in_place"]
     assert list(res["out_of_place"]) == ["time_us", "algbw_gbps", "busbw_gbps", "wrong", "iters"]
     assert list(doc["summary"][0]) == ["transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong"]
-    raw = png.read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    panels = len({(r["benchmark"], r["dtype"], r["redop"], r["root"]) for r in doc["results"] if r["size_bytes"]})
+    files = report.plot_files(str(png), panels)
+    assert f"# wrote {js}" in text and all(f"# wrote {f}" in text for f in files), text
+    for f in files:
+        _assert_png(f)
+
+
+def _assert_png(path) -> None:
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n", path
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    assert plt.imread(str(png)).ndim == 3
+    assert plt.imread(str(path)).ndim == 3
+
+
+# ---- exit codes: real `python -m bench` processes ---------------------------------------------
+def _bench_rc(args, *, hide: str = "", timeout=120):
+    """(exit status, stdout, stderr) of `python -m bench ARGS`, with packages hidden if asked."""
+    env = dict(os.environ, PYTHONPATH=ROOT, COMM_TIMEOUT="60")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    head = [PY, os.path.join(ROOT, "tests", "hide_packages.py"), hide, "-m", "bench"] if hide else [PY, "-m", "bench"]
+    p = subprocess.run(head + list(args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--transport", "native,nonesuch"], "--transport: unknown 'nonesuch'; known: native, mpi, ucx, nccl, verbs, gloo, mpi-raw"),
+    (["-b", "64M", "-e", "8"], "no size to measure: -b 67108864 is larger than -e 8"),
+    (["all_reduce", "all_reducee"], "unknown benchmark all_reducee"),
+    (["-d", "float128"], "unknown dtype 'float128'"),
+])
+def test_usage_mistakes_exit_2_before_anything_runs(args, why):
+    rc, out, err = _bench_rc(args)
+    assert rc == 2 and out == "" and why in err, (rc, out, err)
+    assert err.startswith("usage: python -m bench"), err
+
+
+def test_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
+    rc, out, err = _bench_rc(["-b", "8", "-e", "8", "--plot", str(tmp_path / "p.png")], hide="matplotlib")
+    assert rc == 2 and out == "", (rc, out, err)
+    assert "--plot: matplotlib is not installed; pip install matplotlib" in err, err
+    assert not os.listdir(tmp_path)
+
+
+def test_a_sweep_that_measured_nothing_exits_1_with_the_reason(tmp_path):
+    js = tmp_path / "r.json"
+    rc, out, err = _bench_rc(["-b", "8", "-e", "8", "--transport", "ucx", "--json", str(js)], hide="ucxx")
+    assert rc == 1, (rc, out, err)
+    assert "# ucx: skipped: ucxx cannot be imported (No module named 'ucxx'); pip install ucxx-cu12" in out
+    assert "exit status 1: nothing was measured (ucx: ucxx cannot be imported" in err, err
+    assert json.loads(js.read_text())["transports"][0]["status"] == "skipped"   # the record is still written
+    assert f"# wrote {js}" in out
+
+
+@pytest.mark.skipif(base.unavailable_reason("mpi") is not None, reason=f"mpi: {base.unavailable_reason('mpi')}")
+def test_a_transport_that_cannot_start_exits_1_after_the_others_ran():
+    # MPI started outside mpirun is a world of one: the 2-rank job's mpi transport cannot start
+    rc, out, err = _bench_rc(["--np", "2", "-b", "8", "-e", "64", "--transport", "native,mpi", *QUICK])
+    assert rc == 1, (rc, out, err)
+    assert "# Transport: native (this library)" in out and "# Out of bounds values : 0 OK" in out
+    assert "# mpi: failed: cannot start (rank 0: TransportUnavailable" in out, out
+    assert "exit status 1: mpi could not start" in err and "launch every rank with mpirun" in err, err
+
+
+def test_every_panel_is_plotted_across_files_with_a_log_axis(tmp_path):
+    png = tmp_path / "p.png"
+    rc, out, err = _bench_rc(["all_reduce", "reduce", "-d", "all", "-b", "64", "-e", "64", "-n", "1", "-w", "1",
+                              "--transport", "native", "--plot", str(png), "--plot-logy"])
+    assert rc == 0, out + err
+    panels = sum(len({tuple(r[2:5]) for r in _table_rows(out, b)}) for b in ("all_reduce", "reduce"))
+    assert panels > report.PANELS_PER_FILE      # more than one file's worth: none may be dropped
+    files = report.plot_files(str(png), panels)
+    assert len(files) == -(-panels // report.PANELS_PER_FILE)
+    assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(f) for f in files)
+    assert [line for line in out.splitlines() if line.startswith("# wrote ")] == [f"# wrote {f}" for f in files]
+    for f in files:
+        _assert_png(f)
 
 
 # ---- real multi-rank runs -------------------------------------------------------------------

