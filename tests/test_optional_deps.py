@@ -9,6 +9,7 @@ raise TransportUnavailable naming the install command, and pytest must collect t
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -113,3 +114,74 @@ def test_the_hider_hides_like_an_absent_package():
     p = subprocess.run([sys.executable, "-c", HIDE_CSV, os.path.join(ROOT, "tests")], capture_output=True,
                        text=True, timeout=60)
     assert p.returncode == 0 and p.stdout.splitlines() == ["None", "csv", '"json ok"'], p.stdout + p.stderr
+
+
+# ---- Jupyter's `comm` in the same environment ------------------------------------------------
+# It has the same import name and, installed after this library, replaces comm/__init__.py.
+# The subprocess imports a stub of it as `comm` before anything else, which is the state such a
+# venv is in (with an editable install, our import hook would win over any sys.path entry).
+FOREIGN = r"""
+import importlib.machinery, importlib.util, json, runpy, sys, warnings
+if sys.argv[1]:
+    spec = importlib.machinery.PathFinder.find_spec("comm", [sys.argv[1]])
+    foreign = importlib.util.module_from_spec(spec)
+    sys.modules["comm"] = foreign
+    spec.loader.exec_module(foreign)
+if sys.argv[2] == "bench":
+    sys.argv = ["bench", "-b", "8", "-e", "8"]
+    runpy.run_module("bench", run_name="__main__", alter_sys=True)
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    import torch
+    import torch.distributed as dist
+print(json.dumps({"sum": float(torch.ones(3).sum()), "registered": "comm" in dist.Backend.backend_list,
+                  "warnings": [str(w.message) for w in seen if "comm" in str(w.message)]}))
+"""
+
+
+def _torch_autoload_installed() -> str | None:
+    """Why the autoload cannot be tested here, or None."""
+    import importlib.metadata
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return "torch is not installed"
+    if not any(e.value.startswith("comm_collectives_autoload:")
+               for e in importlib.metadata.entry_points(group="torch.backends")):
+        return "comm-collectives is not installed (pip install -e .): torch has no entry point to call"
+    return None
+
+
+def _foreign(tmp_path, what: str, *, own: bool = False):
+    (tmp_path / "comm").mkdir()
+    (tmp_path / "comm" / "__init__.py").write_text('"""Jupyter\'s comm, as far as import goes."""\n'
+                                                   "def create_comm(*args, **kwargs):\n    return None\n")
+    env = _clean_env()
+    env.pop("TORCH_DEVICE_BACKEND_AUTOLOAD", None)
+    return subprocess.run([sys.executable, "-c", FOREIGN, "" if own else str(tmp_path), what], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.skipif(_torch_autoload_installed() is not None, reason=str(_torch_autoload_installed()))
+@pytest.mark.parametrize("own", [True, False], ids=["ours", "foreign"])
+def test_import_torch_survives_a_foreign_comm_with_one_warning(tmp_path, own):
+    p = _foreign(tmp_path, "torch", own=own)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.splitlines()[-1])
+    assert got["sum"] == 3.0
+    if own:   # the ordinary case: `import torch` registered the backend, silently
+        assert got["registered"] and got["warnings"] == [], got
+    else:
+        assert not got["registered"] and len(got["warnings"]) == 1, got
+        (text,) = got["warnings"]
+        assert text.startswith('torch backend "comm" not registered: `import comm` gives another package of that '
+                               f"name ({tmp_path / 'comm' / '__init__.py'}), not comm-collectives"), text
+        assert "install comm-collectives into its own virtual environment" in text, text
+
+
+@pytest.mark.skipif(importlib.util.find_spec("comm_collectives_autoload") is None,
+                    reason="comm-collectives is not installed (pip install -e .)")
+def test_bench_names_a_foreign_comm(tmp_path):
+    p = _foreign(tmp_path, "bench")
+    assert p.returncode == 1 and p.stdout == "", p.stdout + p.stderr
+    assert p.stderr.startswith("python -m bench: `import comm` gives another package of that name"), p.stderr
+    assert "install comm-collectives into its own virtual environment" in p.stderr
