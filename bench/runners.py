@@ -14,6 +14,7 @@ the operations, and add it to `make_runner`.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import warnings
 
 import numpy as np
@@ -94,6 +95,8 @@ class CommRunner(Runner):
             self.world = None
 
     def supports(self, bench, dtype, op, in_place):
+        if dtype is DType.BFLOAT16 and importlib.util.find_spec("torch") is None:
+            return "bfloat16 arrays come from torch (numpy has none): pip install torch"
         if bench == "reduce_scatter" and in_place:
             return "no in-place reduce_scatter in the API"
         if bench in ("all_to_all", "all_to_all_v", "sendrecv") and in_place:

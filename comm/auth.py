@@ -53,7 +53,10 @@ def warn_unauthenticated() -> None:
     global _warned
     if not _warned:
         _warned = True
-        print("comm: COMM_SECRET is not set; connections are unauthenticated", file=sys.stderr)
+        print("comm: COMM_SECRET is not set; connections are unauthenticated (anyone who can reach the "
+              "rendezvous port can join the job). Set the same secret on every rank, e.g. "
+              "export COMM_SECRET=$(python3 -c 'import secrets; print(secrets.token_hex(16))') "
+              "before launching (python -m bench --np does this itself)", file=sys.stderr)
 
 
 @contextlib.contextmanager

@@ -2,6 +2,13 @@
 import pytest
 
 from harness import Cluster
+from reference import HAVE_TORCH
+
+
+def pytest_report_header():
+    if not HAVE_TORCH:
+        return "torch is not installed: bfloat16 cases run as float16, torch tests are skipped"
+    return None
 
 
 @pytest.fixture(scope="session")

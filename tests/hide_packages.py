@@ -10,13 +10,15 @@ to sys.meta_path later (pytest's assertion rewriter, for its own test files) fin
 only, never site-packages.
 
 `python tests/hide_packages.py PKG[,PKG...] -m MODULE ARGS...` runs a module (pytest, bench)
-with those packages hidden.
+with those packages hidden, in its child processes too (rank processes, mpirun's and torchrun's
+ranks): they inherit HIDE_PACKAGES and a PYTHONPATH entry whose sitecustomize hides them at start.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import tempfile
 
 
 class _Hiding:
@@ -45,10 +47,25 @@ def hide(packages) -> None:
     sys.meta_path[:] = [_Hiding(f, hidden) for f in sys.meta_path]
 
 
+SITECUSTOMIZE = """import os, runpy
+runpy.run_path(os.environ["HIDE_PACKAGES_WITH"])["hide"](os.environ["HIDE_PACKAGES"].split(","))
+"""
+
+
+def hide_in_children(packages: str) -> None:
+    """Make every Python process started from here on hide `packages` (comma-separated)."""
+    site = tempfile.mkdtemp(prefix="hide-packages-")
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(SITECUSTOMIZE)
+    os.environ.update(HIDE_PACKAGES=packages, HIDE_PACKAGES_WITH=os.path.abspath(__file__),
+                      PYTHONPATH=os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p))
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[2] != "-m":
         sys.exit(f"usage: {sys.argv[0]} PKG[,PKG...] -m MODULE [ARGS...]")
     hide(p for p in sys.argv[1].split(",") if p)
+    hide_in_children(sys.argv[1])
     module = sys.argv[3]
     sys.argv = [module] + sys.argv[4:]
     sys.path[0] = os.getcwd()   # as `python -m` has it, not this file's folder

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from comm.types import DType, ReduceOp
 from harness import assert_no_problems
-from reference import ALL_DTYPES, empty, make, mismatch, ops_for, reduce, values
+from reference import ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, values
 from transports import base
 
 TRANSPORTS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn"}
@@ -269,7 +269,7 @@ def test_reduce_scatter_all_gather(cluster, transport, n):
 
 @pytest.mark.parametrize("n", [1, 2, 3, 5])
 def test_broadcast_reduce_gather_scatter(cluster, transport, n):
-    _run(cluster, transport, n, check_rooted, [DType.FLOAT32, DType.BFLOAT16, DType.INT64, DType.UINT8],
+    _run(cluster, transport, n, check_rooted, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT64, DType.UINT8),
          [0, 1, 1001, 300_001] if n <= 3 else [0, 1, 1001])
 
 

@@ -14,6 +14,7 @@ import pytest
 import comm
 from harness import Cluster
 from netns import ADDRS, TwoHosts, unavailable
+from reference import dtypes as dtypes_here
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
@@ -182,7 +183,7 @@ def soak(world, iterations, seed):
     halves = world.split(world.rank % 2)
     fds0 = len(os.listdir("/proc/self/fd"))
     wrong, rss = [], []
-    dtypes = [DType.FLOAT32, DType.FLOAT64, DType.INT32, DType.BFLOAT16, DType.UINT8]
+    dtypes = dtypes_here(DType.FLOAT32, DType.FLOAT64, DType.INT32, DType.BFLOAT16, DType.UINT8)
     for i in range(iterations):
         kind = rng.integers(0, 4)
         dtype = dtypes[rng.integers(0, len(dtypes))]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from harness import RanksFailed, assert_no_problems, run_ranks
-from reference import make, mismatch, ops_for, reduce, values
+from reference import dtypes, make, mismatch, ops_for, reduce, values
 
 from comm.buffers import as_buffer
 from comm.types import DType, ReduceOp
@@ -26,7 +26,7 @@ def half_ops_locally(world):
 
     from transports.mpi import _OPS
     problems = []
-    for dtype in (DType.FLOAT16, DType.BFLOAT16):
+    for dtype in dtypes(DType.FLOAT16, DType.BFLOAT16):
         for op in ops_for(dtype):
             a, b = values(dtype, 513, 0, 1, op), values(dtype, 513, 1, 1, op)
             x, y = make(a, dtype), make(b, dtype)
@@ -44,7 +44,7 @@ def test_half_precision_user_ops(cluster):
 
 def half_all_reduce(world, count):
     problems = []
-    for dtype in (DType.FLOAT16, DType.BFLOAT16):
+    for dtype in dtypes(DType.FLOAT16, DType.BFLOAT16):
         for op in ops_for(dtype):
             ins = [values(dtype, count, r, 5, op) for r in range(world.size)]
             x = make(ins[world.rank], dtype)
@@ -107,7 +107,7 @@ def test_async_and_bounded_mode(cluster, env):
     _run(cluster, 3, async_overlap, env=env)
     if env:
         from test_conformance import check_all_reduce
-        _run(cluster, 2, check_all_reduce, [DType.FLOAT32, DType.BFLOAT16, DType.INT8], [0, 1, 1001], env=env)
+        _run(cluster, 2, check_all_reduce, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT8), [0, 1, 1001], env=env)
 
 
 def unmatched_recv(world):

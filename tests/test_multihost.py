@@ -7,6 +7,7 @@ import pytest
 
 from harness import assert_no_problems, run_ranks
 from netns import ADDRS, TwoHosts, unavailable
+from reference import dtypes
 from test_conformance import check_all_reduce, check_all_to_all, check_p2p, check_rooted
 from comm.types import DType
 from transports import base
@@ -23,7 +24,7 @@ def hosts():
 
 
 def cross_host_suite(world):
-    problems = check_all_reduce(world, [DType.FLOAT32, DType.BFLOAT16, DType.INT32], [0, 1, 1001, 300_001])
+    problems = check_all_reduce(world, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT32), [0, 1, 1001, 300_001])
     problems += check_rooted(world, [DType.FLOAT32], [1, 100_003])
     problems += check_all_to_all(world, [DType.FLOAT32], 4)
     problems += check_p2p(world)

@@ -124,3 +124,4 @@ def test_unauthenticated_warning(capfd, monkeypatch):
     auth.warn_unauthenticated()
     err = capfd.readouterr().err
     assert err.count("connections are unauthenticated") == 1
+    assert "Set the same secret on every rank, e.g. export COMM_SECRET=" in err

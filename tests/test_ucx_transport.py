@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from harness import ROOT, assert_no_problems, run_ranks
+from reference import dtypes
 
 from comm.types import DType
 from transports import base
@@ -68,7 +69,7 @@ def test_async_work_returns_at_once(cluster):
 @pytest.mark.parametrize("algo", ["ring", "rd", "tree"])
 def test_algorithm_override(cluster, algo):
     from test_conformance import check_all_reduce
-    _run(cluster, 3, check_all_reduce, [DType.FLOAT32, DType.BFLOAT16, DType.INT32], [0, 1, 300_001],
+    _run(cluster, 3, check_all_reduce, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT32), [0, 1, 300_001],
          env={"COMM_ALGO": algo, "COMM_CHUNK_BYTES": "65536"})
 
 
