@@ -41,10 +41,12 @@ def _argument_forms(dist, pg, rank, n):
     pg.broadcast(t, n - 1).wait()
     pg.broadcast([t]).wait()
     out["broadcast"] = t.tolist()
-    t = torch.full((2,), r)
-    pg.reduce(t, 0, dist.ReduceOp.SUM).wait()
-    pg.reduce([t]).wait()
-    out["reduce"] = t.tolist() if rank == 0 else None
+    results = []
+    for call in (lambda t: pg.reduce(t, 0, dist.ReduceOp.MAX), lambda t: pg.reduce([t])):
+        t = torch.full((2,), r)   # fresh: what a reduce leaves in non-roots' buffers is unspecified
+        call(t).wait()
+        results.append(t.tolist() if rank == 0 else None)
+    out["reduce"] = results
     outs = [torch.empty(2) for _ in range(n)]
     pg.allgather(outs, torch.full((2,), r)).wait()
     out["allgather"] = [o.tolist() for o in outs]
