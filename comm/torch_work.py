@@ -40,8 +40,9 @@ def as_torch_error(e: CommError) -> CommError:
     """The same error (rank, op, cause, traceback), now also a DistBackendError."""
     if isinstance(e, dist.DistBackendError):
         return e
-    if isinstance(e, CommTimeout) and "timed out" not in e.cause.lower():
-        e.cause = f"Timed out: {e.cause}"
+    if isinstance(e, CommTimeout) and "Timed out" not in e.cause:
+        lowered = e.cause.startswith("timed out")
+        e.cause = f"T{e.cause[1:]}" if lowered else f"Timed out: {e.cause}"
     e.__class__ = _dist_class(type(e))
     e.args = (e._text(),)
     return e
