@@ -126,16 +126,23 @@ def transport_for(device: str) -> str:
 
 
 # ---- reduce ops ------------------------------------------------------------------------------
+_REDUCE_OPS: dict = {}   # torch's RedOpType -> comm's op (reading a pybind enum's name is slow)
+
+
 def reduce_op(op) -> ReduceOp | object:
     """torch's ReduceOp (or RedOpType) -> comm's op; PREMUL_SUM carries its factor along."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
+    found = _REDUCE_OPS.get(kind)
+    if found is not None:
+        return found
     name = kind.name
     if name == "PREMUL_SUM":
         factor = op.factor
         return premul_sum(factor.item() if isinstance(factor, torch.Tensor) else factor)
     if name not in ReduceOp.__members__:
-        raise Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}")
-    return ReduceOp[name]
+        raise as_torch_error(Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}"))
+    found = _REDUCE_OPS[kind] = ReduceOp[name]
+    return found
 
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -253,15 +260,23 @@ class ProcessGroupComm(dist.ProcessGroup):
         async_op=False, no timeout of its own, outside a coalescing block) takes the
         communicator's blocking path on this thread; anything else completes on the completion
         thread. Inside a coalescing block the work also joins the block's list."""
-        comm = self._communicator(device.type, op)
-        timeout = seconds(opts.timeout) if opts is not None else None
-        blocking = opts is not None and not opts.asyncOp and timeout is None and self._coalesced is None
+        comm = self._comms.get(device.type) or self._communicator(device.type, op)
+        blocking = opts is not None and not opts.asyncOp and self._coalesced is None
+        timeout = seconds(opts.timeout) if blocking else None
+        if blocking and timeout is None:   # the communicator's blocking path, on this thread
+            try:
+                post(comm, False)
+            except CommError as e:
+                raise as_torch_error(e) from None
+            for dst, src in copies:
+                dst.copy_(src)
+            return TorchWork(self, op, result, source=source, done=True)
         work = TorchWork(self, op, result, copies, source)
         try:
-            comm_works = post(comm, not blocking)
+            comm_works = post(comm, True)
         except CommError as e:
             raise as_torch_error(e) from None
-        if blocking or (opts is not None and not opts.asyncOp and self._coalesced is None):
+        if blocking:   # with a timeout of its own: waited for here, for that long
             work._complete(comm_works, timeout)
             if work._error is not None:
                 raise work._error

@@ -45,6 +45,4 @@ def sparse_all_reduce(pg, t: torch.Tensor, opts) -> TorchWork:
         part = torch.sparse_coo_tensor(all_indices[r][:, :k], all_values[r][:k], x.shape)
         total = part if total is None else total + part
     t.copy_(total.coalesce())
-    work = TorchWork(pg, op, [t])
-    work._complete((), None)
-    return work
+    return TorchWork(pg, op, [t], done=True)

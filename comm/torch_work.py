@@ -65,15 +65,17 @@ class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds `result` (the output
     tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
 
-    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1):
+    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, done: bool = False):
+        """done: a blocking call's work, complete (and successful) before it is returned; it
+        skips the Event, whose construction is a visible part of a small operation's latency."""
         super().__init__()
         self._pg, self._op, self._result = pg, op, result
         self._copies = copies      # (destination, staging) pairs to copy back on success
         self._source = source      # receives: the sender's group rank, once known
         self._future: torch.futures.Future | None = None   # made on first get_future()
         self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._finished = False              # the outcome is known (the future may still run callbacks)
+        self._done = None if done else threading.Event()   # None: done from the start
+        self._finished = done               # the outcome is known (the future may still run callbacks)
         self._completer: int | None = None   # the thread resolving the future right now
         self._error: BaseException | None = None
 
@@ -109,7 +111,7 @@ class TorchWork(dist.distributed_c10d.Work):
             future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
-        if not self._done.is_set() and self._completer != threading.get_ident():
+        if not self.is_completed() and self._completer != threading.get_ident():
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
             limit = seconds(timeout) or self._pg.timeout + 30
@@ -121,10 +123,10 @@ class TorchWork(dist.distributed_c10d.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done is None or self._done.is_set()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self.is_completed() and self._error is None
 
     def exception(self):
         return self._error
