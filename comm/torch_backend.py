@@ -3,7 +3,8 @@
 A Python subclass of ``torch.distributed.ProcessGroup`` (torch calls its methods directly, so no
 C++ extension is needed). Each process group lazily creates one ``comm.Communicator`` per device
 type on its first operation there: CPU tensors go to COMM_TRANSPORT (default native), CUDA
-tensors to a CUDA-capable transport (nccl). Connection set-up goes through the store torch
+tensors to nccl, or, when the ranks agree nccl cannot serve them all, staged through pinned
+host memory over COMM_TRANSPORT (comm.staging). Connection set-up goes through the store torch
 hands to the backend factory, so every new_group / DeviceMesh dimension gets its own
 communicator without another rendezvous.
 
@@ -32,7 +33,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import config, rendezvous
+from . import config, rendezvous, staging
 from .communicator import Communicator, connect
 from .store import KeyValueStore
 from .errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
@@ -225,7 +226,7 @@ class ProcessGroupComm(dist.ProcessGroup):
     _set_default_timeout = set_timeout
 
     # ---- plumbing ---------------------------------------------------------------------------
-    def _communicator(self, device: str, op: str) -> Communicator:
+    def _communicator(self, device: str, op: str, index: int | None = None) -> Communicator:
         with self._lock:
             if self._closed:
                 raise as_torch_error(Closed("the process group was shut down", rank=self.rank(), op=op))
@@ -235,7 +236,14 @@ class ProcessGroupComm(dist.ProcessGroup):
                     transport = transport_for(device)
                     store = TorchStore(dist.PrefixStore(f"comm/{device}/", self._store), self.rank(),
                                        self.size(), self.timeout)
-                    comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks)
+                    options = {}
+                    if device == "cuda":   # nccl on the tensor's GPU, or (agreed by all ranks) staging
+                        options["cuda_device"] = index if index is not None else torch.cuda.current_device()
+                        if transport == "nccl" and config.get("COMM_TRANSPORT") != "nccl":
+                            transport = staging.cuda_transport(store, config.get("COMM_TRANSPORT"),
+                                                               options["cuda_device"])
+                    comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks,
+                                   options=options)
                 except TransportUnavailable as e:
                     raise as_torch_error(TransportUnavailable(
                         f"{device} tensors need a transport that reaches {device}: {e.cause}",
@@ -257,13 +265,13 @@ class ProcessGroupComm(dist.ProcessGroup):
     def _launch(self, op: str, device: torch.device, post, result: list, copies=(), opts=None,
                 source: int = -1) -> TorchWork:
         """Post through `post(comm, async_op) -> [comm.Work or None]`. A blocking call (torch's
-        async_op=False, no timeout of its own, outside a coalescing block) takes the
+        async_op=False, no timeout of its own, CPU, outside a coalescing block) takes the
         communicator's blocking path on this thread; anything else completes on the completion
         thread. Inside a coalescing block the work also joins the block's list."""
-        comm = self._comms.get(device.type) or self._communicator(device.type, op)
+        comm = self._comms.get(device.type) or self._communicator(device.type, op, device.index)
         blocking = opts is not None and not opts.asyncOp and self._coalesced is None
         timeout = seconds(opts.timeout) if blocking else None
-        if blocking and timeout is None:   # the communicator's blocking path, on this thread
+        if blocking and timeout is None and device.type != "cuda":   # the blocking path, on this thread
             try:
                 post(comm, False)
             except CommError as e:
@@ -271,12 +279,18 @@ class ProcessGroupComm(dist.ProcessGroup):
             for dst, src in copies:
                 dst.copy_(src)
             return TorchWork(self, op, result, source=source, done=True)
-        work = TorchWork(self, op, result, copies, source)
+        work = TorchWork(self, op, result, copies, source, device=device)
         try:
             comm_works = post(comm, True)
         except CommError as e:
             raise as_torch_error(e) from None
-        if blocking:   # with a timeout of its own: waited for here, for that long
+        if work._stream_ordered(comm_works):
+            # The future completes once the GPU is done, on the completion thread; a blocking
+            # call only orders the caller's stream after the operation, as torch's NCCL backend.
+            self._completers[device.type].submit(work, comm_works)
+            if blocking:
+                work.wait()
+        elif blocking:   # with a timeout of its own, or CUDA: waited for here
             work._complete(comm_works, timeout)
             if work._error is not None:
                 raise work._error

@@ -65,13 +65,19 @@ class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds `result` (the output
     tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
 
-    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, done: bool = False):
+    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None,
+                 done: bool = False):
         """done: a blocking call's work, complete (and successful) before it is returned; it
         skips the Event, whose construction is a visible part of a small operation's latency."""
         super().__init__()
         self._pg, self._op, self._result = pg, op, result
         self._copies = copies      # (destination, staging) pairs to copy back on success
         self._source = source      # receives: the sender's group rank, once known
+        # CUDA: the future knows its device, so its consumers' streams wait on its events.
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
         self._future: torch.futures.Future | None = None   # made on first get_future()
         self._lock = threading.Lock()
         self._done = None if done else threading.Event()   # None: done from the start
@@ -79,17 +85,30 @@ class TorchWork(dist.distributed_c10d.Work):
         self._completer: int | None = None   # the thread resolving the future right now
         self._error: BaseException | None = None
 
+    def _stream_ordered(self, comm_works) -> bool:
+        """True when every operation completes on a CUDA stream (nccl) and nothing is copied
+        back on the host: wait() can then order the caller's stream without blocking."""
+        reqs = [w._req for w in comm_works if w is not None]
+        if self._device is None or self._copies or not all(hasattr(r, "stream_wait") for r in reqs):
+            return False
+        self._streamed = reqs
+        return True
+
     def _complete(self, comm_works, timeout: float | None) -> None:
         """Wait on the comm operations, copy staged outputs back, resolve the future (running its
         callbacks), then mark the work done."""
         try:
             for w in comm_works:
-                if w is not None:
+                if isinstance(w, TorchWork):   # coalesced: done means done on the GPU too
+                    w._host_wait(timeout)
+                elif w is not None:
                     w.wait(timeout)
                     if self._op == "recv" and self._source < 0:
                         self._source = w.source
             for dst, src in self._copies:
                 dst.copy_(src)
+            if self._copies and self._device is not None:   # the copies ran on this thread's stream
+                torch.cuda.current_stream(self._device).synchronize()
         except CommError as e:
             self._error = as_torch_error(e)
         except BaseException as e:  # delivered to whoever waits, and to the future
@@ -111,6 +130,15 @@ class TorchWork(dist.distributed_c10d.Work):
             future.set_result(self._result)
 
     def wait(self, timeout=None) -> bool:
+        """CUDA work on nccl: the caller's current stream waits for it, the host does not (as
+        torch's NCCL backend). Everything else: block until done (synchronize() always blocks)."""
+        if self._streamed is not None and self._error is None:
+            for req in self._streamed:
+                req.stream_wait()
+            return True
+        return self._host_wait(timeout)
+
+    def _host_wait(self, timeout=None) -> bool:
         if not self.is_completed() and self._completer != threading.get_ident():
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
@@ -132,12 +160,12 @@ class TorchWork(dist.distributed_c10d.Work):
         return self._error
 
     def result(self) -> list:
-        self.wait()
+        self._host_wait()
         return self._result
 
     def source_rank(self) -> int:
         """The sender of a receive from any source (its rank in the group)."""
-        self.wait()
+        self._host_wait()
         if self._source < 0:
             raise as_torch_error(errors.InvalidArgument("source_rank() is only defined for receives",
                                                         rank=self._pg.rank(), op=self._op))
@@ -148,13 +176,15 @@ class TorchWork(dist.distributed_c10d.Work):
     def get_future(self) -> torch.futures.Future:
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._future = (torch.futures.Future(devices=[self._device]) if self._device
+                                else torch.futures.Future())
                 if self._finished:
                     self._resolve(self._future)
             return self._future
 
     def synchronize(self) -> None:
-        """CPU and blocking-transport work has no stream to join."""
+        """Block the host until the work is done (on CUDA too)."""
+        self._host_wait()
 
 
 class Completer:
