@@ -292,7 +292,12 @@ class Communicator:
     def _p2p(self, kind: OpKind, x, peer: int, tag: int, async_op: bool):
         name = kind.label
         buf = self._buf(x, name, writable=kind is OpKind.RECV, what="buffer")
-        peer = self._root(name, peer, "dst" if kind is OpKind.SEND else "src")
+        if peer is None and kind is OpKind.RECV:   # from any rank
+            if not self._transport.any_source:
+                raise self._error(name, f"transport {self.transport!r} cannot receive from any rank; pass src")
+            peer = -1
+        else:
+            peer = self._root(name, peer, "dst" if kind is OpKind.SEND else "src")
         if peer == self.rank:
             raise self._error(name, "cannot send to or receive from itself")
         try:
@@ -309,14 +314,21 @@ class Communicator:
         """Send x to rank dst; returns when x may be reused."""
         self._p2p(OpKind.SEND, x, dst, tag, False)
 
-    def recv(self, x, src: int, tag: int = 0) -> None:
-        """Receive into x from rank src (x must have the sender's element count)."""
+    def recv(self, x, src: int | None, tag: int = 0) -> int:
+        """Receive into x from rank src (x must have the sender's element count); src=None takes
+        the first message with this tag from any rank. Returns the sender's rank."""
+        if src is None:  # the sender is only known from the request
+            work = self._p2p(OpKind.RECV, x, None, tag, True)
+            work.wait()
+            return work.source
         self._p2p(OpKind.RECV, x, src, tag, False)
+        return src
 
     def isend(self, x, dst: int, tag: int = 0) -> Work:
         return self._p2p(OpKind.SEND, x, dst, tag, True)
 
-    def irecv(self, x, src: int, tag: int = 0) -> Work:
+    def irecv(self, x, src: int | None, tag: int = 0) -> Work:
+        """As recv, returning at once; with src=None, the Work's `source` names the sender."""
         return self._p2p(OpKind.RECV, x, src, tag, True)
 
     def batch_p2p(self, ops) -> list[Work]:

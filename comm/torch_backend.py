@@ -11,27 +11,35 @@ communicator without another rendezvous.
 Registration: ``import comm.torch_backend`` (or, when the package is installed, nothing: the
 ``torch.backends`` entry point calls ``comm_collectives_autoload.register`` at ``import torch``).
 
-Asynchronous operations return a ``TorchWork`` whose future completes without anyone calling
-wait(): one completion thread per communicator waits on the transport's requests in posting
-order and resolves the torch futures, which is what DDP's communication hooks build on. (A
-receive that finishes before an earlier operation is reported right after it: futures never
-complete out of order.)
+Operations return a ``TorchWork`` (comm/torch_work.py): blocking calls run on the caller's
+thread through the communicator's blocking path; asynchronous ones complete on one completion
+thread per communicator, which resolves the torch futures in posting order whether or not
+anyone calls wait(), which is what DDP's communication hooks build on. Sparse all_reduce is in
+comm/torch_sparse.py.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import os
-import queue
 import socket
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                        AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions,
+                                        ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
 from . import config, rendezvous, staging
 from .communicator import Communicator, connect
 from .store import KeyValueStore
-from .errors import CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from .errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from .torch_args import by_dtype, cat, as_input, options, as_output, real, tensor_list, unpack
+from .torch_sparse import sparse_all_reduce
+from .torch_work import Completer, TorchWork, as_torch_error, seconds
 from .types import ReduceOp, premul_sum
 
 BACKEND = "comm"
@@ -119,156 +127,48 @@ def transport_for(device: str) -> str:
 
 
 # ---- reduce ops ------------------------------------------------------------------------------
+_REDUCE_OPS: dict = {}   # torch's RedOpType -> comm's op (reading a pybind enum's name is slow)
+
+
 def reduce_op(op) -> ReduceOp | object:
     """torch's ReduceOp (or RedOpType) -> comm's op; PREMUL_SUM carries its factor along."""
     kind = op.op if isinstance(op, dist.ReduceOp) else op
+    found = _REDUCE_OPS.get(kind)
+    if found is not None:
+        return found
     name = kind.name
     if name == "PREMUL_SUM":
         factor = op.factor
         return premul_sum(factor.item() if isinstance(factor, torch.Tensor) else factor)
     if name not in ReduceOp.__members__:
-        raise Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}")
-    return ReduceOp[name]
+        raise as_torch_error(Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}"))
+    found = _REDUCE_OPS[kind] = ReduceOp[name]
+    return found
 
 
-# ---- Work and completion ---------------------------------------------------------------------
-class TorchWork(dist.distributed_c10d.Work):
-    """torch's Work over one or more comm operations. Its future holds the output tensors (the
-    value DDP hooks read) and completes when they do, whether or not wait() is called."""
-
-    def __init__(self, pg: ProcessGroupComm, op: str, result: list, copies=(), device=None):
-        super().__init__()
-        self._pg, self._op, self._result = pg, op, result
-        self._copies = copies      # (destination, staging) pairs to copy back on success
-        # CUDA: the future knows its device, so its consumers' streams wait on its events.
-        if device is not None and device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device if device is not None and device.type == "cuda" else None
-        self._future = torch.futures.Future(devices=[self._device]) if self._device else torch.futures.Future()
-        self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def _stream_ordered(self, comm_works) -> bool:
-        """True when every operation completes on a CUDA stream (nccl) and nothing is copied
-        back on the host: wait() can then order the caller's stream without blocking."""
-        reqs = [w._req for w in comm_works if w is not None]
-        if self._device is None or self._copies or not all(hasattr(r, "stream_wait") for r in reqs):
-            return False
-        self._streamed = reqs
-        return True
-
-    def _complete(self, comm_works, timeout: float | None) -> None:
-        """Wait on the comm operations, copy staged outputs back, resolve the future."""
-        try:
-            for w in comm_works:
-                if isinstance(w, TorchWork):   # coalesced: done means done on the GPU too
-                    w._host_wait(timeout)
-                elif w is not None:
-                    w.wait(timeout)
-            for dst, src in self._copies:
-                dst.copy_(src)
-            if self._copies and self._device is not None:   # the copies ran on this thread's stream
-                torch.cuda.current_stream(self._device).synchronize()
-        except BaseException as e:  # delivered to whoever waits, and to the future
-            self._error = e
-            self._done.set()
-            self._future.set_exception(e)
-            return
-        self._done.set()
-        self._future.set_result(self._result)
-
-    def wait(self, timeout=None) -> bool:
-        """CUDA work on nccl: the caller's current stream waits for it, the host does not (as
-        torch's NCCL backend). Everything else: block until done (synchronize() always blocks)."""
-        if self._streamed is not None and self._error is None:
-            for req in self._streamed:
-                req.stream_wait()
-            return True
-        return self._host_wait(timeout)
-
-    def _host_wait(self, timeout=None) -> bool:
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        # torch passes 0 for "no timeout": the completion thread's own waits are bounded by the
-        # communicator's timeout, so the slack only covers the hand-off.
-        limit = seconds if seconds and seconds > 0 else self._pg.timeout + 30
-        if not self._done.wait(limit):
-            raise CommTimeout(f"not completed within {limit:.0f} s", rank=self._pg.rank(), op=self._op)
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self):
-        return self._error
-
-    def result(self) -> list:
-        self._host_wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-    def synchronize(self) -> None:
-        """Block the host until the work is done (on CUDA too)."""
-        self._host_wait()
+_live_groups: weakref.WeakSet = weakref.WeakSet()
 
 
-class Completer:
-    """One thread per communicator that completes asynchronous work in posting order."""
-
-    def __init__(self, name: str, timeout: float):
-        self._timeout = timeout
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, work: TorchWork, comm_works) -> None:
-        self._queue.put((work, comm_works))
-
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            item[0]._complete(item[1], self._timeout)
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-
-# ---- tensor staging --------------------------------------------------------------------------
-def _input(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _output(t: torch.Tensor, copies: list) -> torch.Tensor:
-    """A contiguous tensor to receive into; a non-contiguous `t` gets a staging copy that is
-    copied back when the operation succeeds."""
-    if t.is_contiguous():
-        return t
-    staged = t.contiguous()
-    copies.append((t, staged))
-    return staged
-
-
-def _unpack(flat: torch.Tensor, outputs: list, copies: list) -> None:
-    """Copy consecutive slices of `flat` into `outputs` on completion."""
-    offset = 0
-    for t in outputs:
-        copies.append((t, flat[offset:offset + t.numel()].view(t.shape)))
-        offset += t.numel()
-
-
-def _cat(tensors: list) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.empty(0)
+@atexit.register
+def _shut_down_at_exit() -> None:
+    """A program that never calls destroy_process_group (Lightning does not) still exits
+    cleanly: no thread of ours left waiting in the engine or in a callback while the interpreter
+    finalizes, and no engine left for nanobind to report as leaked."""
+    for pg in list(_live_groups):
+        pg.shutdown()
 
 
 class ProcessGroupComm(dist.ProcessGroup):
     """One torch process group on comm communicators (one per device type, created on demand;
-    the CPU one at construction, while every member is known to be present)."""
+    the CPU one at construction, while every member is known to be present).
+
+    torch calls these methods directly (a Python subclass of ProcessGroup), in every argument
+    form its own backends accept. Devices: torch asks a group which device types it serves
+    (`_device_types`) and for the backend of one (`_get_backend`); this group is its own backend
+    for every device type comm is registered for, as a pre-2.0 torch ProcessGroup was, because
+    torch offers no way to implement its C++ Backend class in Python."""
+
+    supports_splitting = supports_coalescing = supports_time_estimate = supports_shrinking = False
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str,
                  global_ranks: list[int]):
@@ -281,10 +181,12 @@ class ProcessGroupComm(dist.ProcessGroup):
         self._completers: dict[str, Completer] = {}
         self._lock = threading.Lock()
         self._coalesced: list[TorchWork] | None = None
+        self._closed = False
         self._barriers = 0
         self._communicator("cpu", "init")
+        _live_groups.add(self)
 
-    # ---- identity (torch reads these through the C++ ProcessGroup) --------------------------
+    # ---- identity and devices (torch reads these through the C++ ProcessGroup) ---------------
     def getBackendName(self) -> str:
         return BACKEND
 
@@ -301,9 +203,33 @@ class ProcessGroupComm(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"<ProcessGroupComm {self._name!r} rank {self.rank()} of {self.size()}>"
 
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in dist.Backend.backend_capability[BACKEND]]
+
+    def _get_backend(self, device) -> "ProcessGroupComm":
+        device = torch.device(device)
+        if device.type not in dist.Backend.backend_capability[BACKEND]:
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return self
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """The bound of every later wait on this group, and of the communicators it creates from
+        now on (those running keep the engine's own per-operation bound, the one they began with)."""
+        self.timeout = timeout.total_seconds()
+        for completer in self._completers.values():
+            completer.timeout = self.timeout
+
+    _set_default_timeout = set_timeout
+
     # ---- plumbing ---------------------------------------------------------------------------
     def _communicator(self, device: str, op: str, index: int | None = None) -> Communicator:
         with self._lock:
+            if self._closed:
+                raise as_torch_error(Closed("the process group was shut down", rank=self.rank(), op=op))
             comm = self._comms.get(device)
             if comm is None:
                 try:
@@ -319,38 +245,52 @@ class ProcessGroupComm(dist.ProcessGroup):
                     comm = connect(store, transport, f"{self._name}/{device}", ranks=self._ranks,
                                    options=options)
                 except TransportUnavailable as e:
-                    raise TransportUnavailable(f"{device} tensors need a transport that reaches {device}: "
-                                               f"{e.cause}", rank=self.rank(), op=op) from None
+                    raise as_torch_error(TransportUnavailable(
+                        f"{device} tensors need a transport that reaches {device}: {e.cause}",
+                        rank=self.rank(), op=op)) from None
                 except CommError as e:
-                    raise e.locate(self.rank(), op) from None
+                    raise as_torch_error(e.locate(self.rank(), op)) from None
                 self._comms[device] = comm
                 self._completers[device] = Completer(f"comm-torch-{self._name}-{device}", self.timeout)
             return comm
 
     def _error(self, op: str, cause: str) -> InvalidArgument:
-        return InvalidArgument(cause, rank=self.rank(), op=op)
+        return as_torch_error(InvalidArgument(cause, rank=self.rank(), op=op))
 
     def _one(self, op: str, tensors: list, what: str = "tensor list"):
         if len(tensors) != 1:
             raise self._error(op, f"expected a {what} of one tensor (one device per process), got {len(tensors)}")
         return tensors[0]
 
-    def _launch(self, op: str, device: torch.device, post, result: list, copies=(), opts=None) -> TorchWork:
-        """Post through `post(comm) -> [comm.Work]`; complete at once for blocking calls, else on
-        the completion thread. Inside a coalescing block the work also joins the block's list."""
-        comm = self._communicator(device.type, op, device.index)
-        timeout = None
-        if opts is not None and opts.timeout.total_seconds() > 0:
-            timeout = opts.timeout.total_seconds()
-        work = TorchWork(self, op, result, copies, device)
-        comm_works = post(comm)
+    def _launch(self, op: str, device: torch.device, post, result: list, copies=(), opts=None,
+                source: int = -1) -> TorchWork:
+        """Post through `post(comm, async_op) -> [comm.Work or None]`. A blocking call (torch's
+        async_op=False, no timeout of its own, CPU, outside a coalescing block) takes the
+        communicator's blocking path on this thread; anything else completes on the completion
+        thread. Inside a coalescing block the work also joins the block's list."""
+        comm = self._comms.get(device.type) or self._communicator(device.type, op, device.index)
+        blocking = opts is not None and not opts.asyncOp and self._coalesced is None
+        timeout = seconds(opts.timeout) if blocking else None
+        if blocking and timeout is None and device.type != "cuda":   # the blocking path, on this thread
+            try:
+                post(comm, False)
+            except CommError as e:
+                raise as_torch_error(e) from None
+            for dst, src in copies:
+                dst.copy_(src)
+            return TorchWork(self, op, result, source=source, done=True)
+        work = TorchWork(self, op, result, copies, source, device=device)
+        try:
+            comm_works = post(comm, True)
+        except CommError as e:
+            raise as_torch_error(e) from None
         if work._stream_ordered(comm_works):
             # The future completes once the GPU is done, on the completion thread; a blocking
             # call only orders the caller's stream after the operation, as torch's NCCL backend.
             self._completers[device.type].submit(work, comm_works)
-            if opts is not None and not opts.asyncOp and self._coalesced is None:
+            if blocking:
                 work.wait()
-        elif opts is not None and not opts.asyncOp and self._coalesced is None:
+        elif blocking:   # with a timeout of its own, or CUDA: waited for here
             work._complete(comm_works, timeout)
             if work._error is not None:
                 raise work._error
@@ -361,150 +301,195 @@ class ProcessGroupComm(dist.ProcessGroup):
         return work
 
     # ---- reductions -------------------------------------------------------------------------
-    def allreduce(self, tensors: list, opts) -> TorchWork:
-        t = self._one("all_reduce", tensors)
+    def allreduce(self, tensors, opts=None, timeout=None, *, op=None) -> TorchWork:
+        opts = options(AllreduceOptions, opts, "reduceOp", timeout, reduceOp=op)
+        t = self._one("all_reduce", tensor_list(tensors))
+        if t.is_sparse:
+            return sparse_all_reduce(self, t, opts)
         copies: list = []
-        buf, op = _output(t, copies), reduce_op(opts.reduceOp)
+        buf, rop = as_output(t, copies), reduce_op(opts.reduceOp)
         return self._launch("all_reduce", t.device,
-                            lambda c: [c.all_reduce(buf, op, async_op=True)], tensors, copies, opts)
+                            lambda c, a: [c.all_reduce(buf, rop, async_op=a)], [t], copies, opts)
 
-    def allreduce_coalesced(self, tensors: list, opts) -> TorchWork:
+    def allreduce_coalesced(self, tensors, opts=None) -> TorchWork:
         """One all_reduce per dtype over that dtype's tensors flattened together."""
+        opts = options(AllreduceCoalescedOptions, opts, "reduceOp")
+        tensors = tensor_list(tensors)
         if not tensors or len({t.device for t in tensors}) != 1:
             raise self._error("all_reduce_coalesced", "expected tensors, all on one device")
-        by_dtype: dict = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        flats, copies, op = [_cat(group) for group in by_dtype.values()], [], reduce_op(opts.reduceOp)
-        for flat, group in zip(flats, by_dtype.values()):
-            _unpack(flat, group, copies)
+        groups = [[tensors[i] for i in idx] for idx in by_dtype(tensors)]
+        flats, copies, rop = [cat(group) for group in groups], [], reduce_op(opts.reduceOp)
+        for flat, group in zip(flats, groups):
+            unpack(flat, group, copies)
         return self._launch("all_reduce_coalesced", tensors[0].device,
-                            lambda c: [c.all_reduce(f, op, async_op=True) for f in flats], tensors, copies, opts)
+                            lambda c, a: [c.all_reduce(f, rop, async_op=a) for f in flats], tensors, copies, opts)
 
-    def reduce(self, tensors: list, opts) -> TorchWork:
-        t = self._one("reduce", tensors)
+    def reduce(self, tensors, opts=None, op=None, timeout=None, *, root=None) -> TorchWork:
+        opts = options(ReduceOptions, opts, "rootRank", timeout, reduceOp=op, rootRank=root)
+        t = self._one("reduce", tensor_list(tensors))
         copies: list = []
-        buf, op, root = _output(t, copies), reduce_op(opts.reduceOp), opts.rootRank
+        buf, rop, dst = as_output(t, copies), reduce_op(opts.reduceOp), opts.rootRank
         return self._launch("reduce", t.device,
-                            lambda c: [c.reduce(buf, root, op, async_op=True)], tensors, copies, opts)
+                            lambda c, a: [c.reduce(buf, dst, rop, async_op=a)], [t], copies, opts)
 
-    def reduce_scatter(self, outputs: list, inputs: list, opts) -> TorchWork:
-        out = self._one("reduce_scatter", outputs)
-        parts = self._one("reduce_scatter", inputs, "list of input lists")
+    def reduce_scatter(self, outputs, inputs, opts=None, timeout=None, *, op=None) -> TorchWork:
+        opts = options(ReduceScatterOptions, opts, "reduceOp", timeout, reduceOp=op)
+        out = self._one("reduce_scatter", tensor_list(outputs))
+        parts = inputs if isinstance(outputs, torch.Tensor) else self._one("reduce_scatter", inputs,
+                                                                            "list of input lists")
         if len(parts) != self.size() or any(p.numel() != out.numel() for p in parts):
             raise self._error("reduce_scatter", f"expected {self.size()} inputs of {out.numel()} elements")
         copies: list = []
-        buf, flat, op = _output(out, copies), _cat(parts), reduce_op(opts.reduceOp)
+        buf, flat, rop = as_output(out, copies), cat(parts), reduce_op(opts.reduceOp)
         return self._launch("reduce_scatter", out.device,
-                            lambda c: [c.reduce_scatter(buf, flat, op, async_op=True)], outputs, copies, opts)
+                            lambda c, a: [c.reduce_scatter(buf, flat, rop, async_op=a)], [out], copies, opts)
 
-    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
-                              opts) -> TorchWork:
+    def reduce_scatter_single(self, output, input, opts=None) -> TorchWork:
+        opts = options(ReduceScatterOptions, opts)
         copies: list = []
-        buf, src, op = _output(output, copies), _input(input), reduce_op(opts.reduceOp)
+        buf, src, rop = as_output(output, copies), as_input(input), reduce_op(opts.reduceOp)
         return self._launch("reduce_scatter", output.device,
-                            lambda c: [c.reduce_scatter(buf, src, op, async_op=True)], [output], copies, opts)
+                            lambda c, a: [c.reduce_scatter(buf, src, rop, async_op=a)], [output], copies, opts)
 
-    def reduce_scatter_single_coalesced(self, outputs: list, inputs: list,
-                                        opts) -> TorchWork:
-        return self._many("reduce_scatter_coalesced", outputs, inputs, opts, self.reduce_scatter_single)
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> TorchWork:
+        return self._many("reduce_scatter_coalesced", outputs, inputs,
+                          options(ReduceScatterOptions, opts), self.reduce_scatter_single)
 
     # ---- gathers and scatters ---------------------------------------------------------------
-    def allgather(self, outputs: list, inputs: list, opts) -> TorchWork:
-        t = self._one("all_gather", inputs)
+    def allgather(self, outputs, inputs, opts=None, timeout=None) -> TorchWork:
+        opts = options(AllgatherOptions, opts, None, timeout)
+        if isinstance(inputs, torch.Tensor):   # short form: (list of outputs, input)
+            outputs, inputs = [outputs], [inputs]
+        t = self._one("all_gather", tensor_list(inputs))
         parts = self._one("all_gather", outputs, "list of output lists")
         if len(parts) != self.size() or any(p.numel() != t.numel() for p in parts):
             raise self._error("all_gather", f"expected {self.size()} outputs of {t.numel()} elements "
                                             "(all ranks must contribute tensors of one size)")
-        flat, src, copies = t.new_empty(t.numel() * self.size()), _input(t), []
-        _unpack(flat, parts, copies)
+        src, copies = as_input(t), []
+        flat = src.new_empty(src.numel() * self.size())
+        unpack(flat, parts, copies)
         return self._launch("all_gather", t.device,
-                            lambda c: [c.all_gather(flat, src, async_op=True)], outputs, copies, opts)
+                            lambda c, a: [c.all_gather(flat, src, async_op=a)], outputs, copies, opts)
 
-    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts) -> TorchWork:
+    def all_gather_single(self, output, input, opts=None) -> TorchWork:
+        opts = options(AllgatherOptions, opts)
         copies: list = []
-        buf, src = _output(output, copies), _input(input)
+        buf, src = as_output(output, copies), as_input(input)
         return self._launch("all_gather", output.device,
-                            lambda c: [c.all_gather(buf, src, async_op=True)], [output], copies, opts)
+                            lambda c, a: [c.all_gather(buf, src, async_op=a)], [output], copies, opts)
 
-    def all_gather_single_coalesced(self, outputs: list, inputs: list, opts) -> TorchWork:
-        return self._many("all_gather_coalesced", outputs, inputs, opts, self.all_gather_single)
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> TorchWork:
+        return self._many("all_gather_coalesced", outputs, inputs, options(AllgatherOptions, opts),
+                          self.all_gather_single)
 
-    def allgather_coalesced(self, output_lists: list, inputs: list, opts) -> TorchWork:
-        return self._many("all_gather_coalesced", [[o] for o in output_lists], [[i] for i in inputs],
-                          opts, self.allgather)
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> TorchWork:
+        """output_lists[r] is shaped like `inputs` and receives rank r's inputs: one all_gather per
+        dtype over that dtype's inputs flattened together."""
+        opts, op = options(AllgatherOptions, opts), "all_gather_coalesced"
+        inputs = tensor_list(inputs)
+        if not inputs:
+            raise self._error(op, "expected input tensors")
+        if len(output_lists) != self.size() or any(
+                len(out) != len(inputs) or any(o.numel() != i.numel() or real(o).dtype != real(i).dtype
+                                               for o, i in zip(out, inputs)) for out in output_lists):
+            raise self._error(op, f"expected {self.size()} output lists shaped like the {len(inputs)} inputs")
+        posts, copies = [], []
+        for idx in by_dtype(inputs):
+            src = cat([inputs[i] for i in idx])
+            if src.numel() == 0:
+                continue   # every rank's inputs have these shapes: all skip it alike
+            flat = src.new_empty(src.numel() * self.size())
+            unpack(flat, [output_lists[r][i] for r in range(self.size()) for i in idx], copies)
+            posts.append((flat, src))
+        return self._launch(op, inputs[0].device,
+                            lambda c, a: [c.all_gather(f, s, async_op=a) for f, s in posts],
+                            output_lists, copies, opts)
 
-    def gather(self, outputs: list, inputs: list, opts) -> TorchWork:
-        t, root = self._one("gather", inputs), opts.rootRank
-        src, copies, flat = _input(t), [], None
-        if self.rank() == root:
+    def gather(self, outputs, inputs, opts=None, root=None, timeout=None) -> TorchWork:
+        if isinstance(inputs, torch.Tensor):   # short form: (list of outputs, input, root)
+            outputs, inputs = [outputs] if outputs else [], [inputs]
+        opts = options(GatherOptions, opts, "rootRank", timeout, rootRank=root)
+        t, dst = self._one("gather", tensor_list(inputs)), opts.rootRank
+        src, copies, flat = as_input(t), [], None
+        if self.rank() == dst:
             parts = self._one("gather", outputs, "list of output lists")
             if len(parts) != self.size() or any(p.numel() != t.numel() for p in parts):
                 raise self._error("gather", f"expected {self.size()} outputs of {t.numel()} elements")
-            flat = t.new_empty(t.numel() * self.size())
-            _unpack(flat, parts, copies)
+            flat = src.new_empty(src.numel() * self.size())
+            unpack(flat, parts, copies)
         return self._launch("gather", t.device,
-                            lambda c: [c.gather(flat, src, root, async_op=True)], outputs, copies, opts)
+                            lambda c, a: [c.gather(flat, src, dst, async_op=a)], outputs, copies, opts)
 
-    def scatter(self, outputs: list, inputs: list, opts) -> TorchWork:
-        out, root = self._one("scatter", outputs), opts.rootRank
+    def scatter(self, outputs, inputs, opts=None, root=None, timeout=None) -> TorchWork:
+        if isinstance(outputs, torch.Tensor):  # short form: (output, list of inputs, root)
+            outputs, inputs = [outputs], [inputs] if inputs else []
+        opts = options(ScatterOptions, opts, "rootRank", timeout, rootRank=root)
+        out, src_rank = self._one("scatter", outputs), opts.rootRank
         copies: list = []
-        buf, flat = _output(out, copies), None
-        if self.rank() == root:
+        buf, flat = as_output(out, copies), None
+        if self.rank() == src_rank:
             parts = self._one("scatter", inputs, "list of input lists")
             if len(parts) != self.size() or any(p.numel() != out.numel() for p in parts):
                 raise self._error("scatter", f"expected {self.size()} inputs of {out.numel()} elements")
-            flat = _cat(parts)
+            flat = cat(parts)
         return self._launch("scatter", out.device,
-                            lambda c: [c.scatter(buf, flat, root, async_op=True)], outputs, copies, opts)
+                            lambda c, a: [c.scatter(buf, flat, src_rank, async_op=a)], outputs, copies, opts)
 
-    def broadcast(self, tensors: list, opts) -> TorchWork:
-        t = self._one("broadcast", tensors)
+    def broadcast(self, tensors, opts=None, timeout=None, *, root=None) -> TorchWork:
+        opts = options(BroadcastOptions, opts, "rootRank", timeout, rootRank=root)
+        t = self._one("broadcast", tensor_list(tensors))
         copies: list = []
-        buf, root = _output(t, copies), opts.rootRank
+        buf, src = as_output(t, copies), opts.rootRank
         return self._launch("broadcast", t.device,
-                            lambda c: [c.broadcast(buf, root, async_op=True)], tensors, copies, opts)
+                            lambda c, a: [c.broadcast(buf, src, async_op=a)], [t], copies, opts)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_splits: list,
-                          input_splits: list, opts) -> TorchWork:
+    def all_to_all_single(self, output, input, output_splits=(), input_splits=(), opts=None,
+                          timeout=None) -> TorchWork:
+        opts = options(AllToAllOptions, opts, None, timeout)
         copies: list = []
-        buf, src = _output(output, copies), _input(input)
+        buf, src = as_output(output, copies), as_input(input)
         out_splits, in_splits = list(output_splits) or None, list(input_splits) or None  # []: equal
         return self._launch("all_to_all", output.device,
-                            lambda c: [c.all_to_all(buf, src, out_splits, in_splits, async_op=True)],
+                            lambda c, a: [c.all_to_all(buf, src, out_splits, in_splits, async_op=a)],
                             [output], copies, opts)
 
-    def alltoall(self, outputs: list, inputs: list, opts) -> TorchWork:
+    def alltoall(self, outputs, inputs, opts=None) -> TorchWork:
         """List form: tensor i goes to rank i; sizes may differ per rank."""
+        opts = options(AllToAllOptions, opts)
         if len(outputs) != self.size() or len(inputs) != self.size():
             raise self._error("all_to_all", f"expected {self.size()} input and output tensors")
-        flat_in, copies = _cat(inputs), []
-        flat_out = flat_in.new_empty(sum(t.numel() for t in outputs))
-        _unpack(flat_out, outputs, copies)
-        out_splits, in_splits = [t.numel() for t in outputs], [t.numel() for t in inputs]
+        flat_in, copies = cat(inputs), []
+        flat_out = flat_in.new_empty(sum(real(t).numel() for t in outputs))
+        unpack(flat_out, outputs, copies)
+        out_splits, in_splits = [real(t).numel() for t in outputs], [real(t).numel() for t in inputs]
         return self._launch("all_to_all", inputs[0].device,
-                            lambda c: [c.all_to_all(flat_out, flat_in, out_splits, in_splits, async_op=True)],
+                            lambda c, a: [c.all_to_all(flat_out, flat_in, out_splits, in_splits, async_op=a)],
                             outputs, copies, opts)
 
     # ---- point to point ---------------------------------------------------------------------
-    def send(self, tensors: list, dst: int, tag: int) -> TorchWork:
-        t = _input(self._one("send", tensors))
-        return self._launch("send", t.device, lambda c: [c.isend(t, dst, tag)], tensors)
+    def send(self, tensors, dst: int, tag: int = 0) -> TorchWork:
+        t = as_input(self._one("send", tensor_list(tensors)))
+        return self._launch("send", t.device, lambda c, a: [c.isend(t, dst, tag)], [t])
 
-    def recv(self, tensors: list, src: int, tag: int) -> TorchWork:
+    def recv(self, tensors, src: int, tag: int = 0) -> TorchWork:
+        return self._recv(tensor_list(tensors), src, tag)
+
+    def recv_anysource(self, tensors, tag: int = 0) -> TorchWork:
+        """The first message with this tag from any rank; the Work's source_rank() names it."""
+        return self._recv(tensor_list(tensors), None, tag)
+
+    def _recv(self, tensors: list, src: int | None, tag: int) -> TorchWork:
         t = self._one("recv", tensors)
         copies: list = []
-        buf = _output(t, copies)
-        return self._launch("recv", t.device, lambda c: [c.irecv(buf, src, tag)], tensors, copies)
-
-    def recv_anysource(self, tensors: list, tag: int) -> TorchWork:
-        raise Unsupported(f"backend {BACKEND} does not support recv_anysource (receiving from any rank): "
-                          "its receives are matched by source; pass src=", rank=self.rank(), op="recv")
+        buf = as_output(t, copies)
+        return self._launch("recv", t.device, lambda c, a: [c.irecv(buf, src, tag)], tensors, copies,
+                            source=-1 if src is None else src)
 
     # ---- synchronisation --------------------------------------------------------------------
-    def barrier(self, opts) -> TorchWork:
+    def barrier(self, opts=None, timeout=None) -> TorchWork:
+        opts = options(BarrierOptions, opts, None, timeout)
         device = opts.device or torch.device("cpu")   # torch's barrier() always names one
-        return self._launch("barrier", device, lambda c: [c.barrier(async_op=True)], [], opts=opts)
+        return self._launch("barrier", device, lambda c, a: [c.barrier(async_op=a)], [], opts=opts)
 
     def monitored_barrier(self, timeout: datetime.timedelta | None = None, wait_all_ranks: bool = False) -> None:
         """Gloo's monitored barrier over the group's store: rank 0 names the ranks that did not
@@ -548,7 +533,6 @@ class ProcessGroupComm(dist.ProcessGroup):
         """The *_coalesced forms: one asynchronous op per pair, one TorchWork for all of them."""
         if len(outputs) != len(inputs) or not inputs:
             raise self._error(op, f"{len(outputs)} outputs for {len(inputs)} inputs")
-        head = inputs[0][0] if isinstance(inputs[0], list) else inputs[0]
         async_opts = type(opts)()
         async_opts.timeout = opts.timeout
         if hasattr(opts, "reduceOp"):
@@ -556,9 +540,9 @@ class ProcessGroupComm(dist.ProcessGroup):
         works = [single(o, i, async_opts) for o, i in zip(outputs, inputs)]
         work = TorchWork(self, op, outputs)
         if opts.asyncOp:
-            self._completers[head.device.type].submit(work, works)
+            self._completers[inputs[0].device.type].submit(work, works)
         else:
-            work._complete(works, None)
+            work._complete(works, seconds(opts.timeout))
             if work._error is not None:
                 raise work._error
         return work
@@ -576,12 +560,21 @@ class ProcessGroupComm(dist.ProcessGroup):
             comm.abort()
 
     def shutdown(self) -> None:
-        for completer in self._completers.values():
+        """Close the communicators (what is still pending fails with Closed) and join the
+        completion threads once they have resolved every future, callbacks included.
+        Idempotent; later operations raise Closed."""
+        with self._lock:
+            self._closed = True
+            comms, self._comms = self._comms, {}
+            completers, self._completers = self._completers, {}
+        for completer in completers.values():
             completer.stop()
-        for comm in self._comms.values():
+        for comm in comms.values():
             comm.close()
-        self._comms.clear()
-        self._completers.clear()
+        for completer in completers.values():
+            completer.join(self.timeout + 30)
+        _live_groups.discard(self)
+
 
 
 def _create(common, backend_options) -> ProcessGroupComm:
@@ -594,6 +587,24 @@ def register() -> None:
     """Make "comm" a torch.distributed backend name (idempotent)."""
     if BACKEND.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
+        c10d = dist.distributed_c10d
+        c10d._set_pg_timeout = _set_pg_timeout(c10d._set_pg_timeout)
+
+
+def _set_pg_timeout(torch_set_pg_timeout):
+    """torch's _set_pg_timeout (dist.breakpoint() calls it to lengthen every group's timeout)
+    only knows the gloo and nccl backend classes by name and warns for anything else; a comm
+    group takes the timeout itself, other groups go to torch's."""
+
+    @functools.wraps(torch_set_pg_timeout)
+    def set_pg_timeout(timeout: datetime.timedelta, group=None) -> None:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        if isinstance(pg, ProcessGroupComm):
+            pg.set_timeout(timeout)
+        else:
+            torch_set_pg_timeout(timeout, group)
+
+    return set_pg_timeout
 
 
 register()

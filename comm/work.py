@@ -49,6 +49,12 @@ class Work:
             self._finish(None)
         return True
 
+    @property
+    def source(self) -> int:
+        """A completed receive's sender (its rank in the group): the one a receive from any
+        rank (src=None) matched."""
+        return self._req.source
+
     def exception(self) -> CommError | None:
         """The error the operation ended with, or None (also while it is still running)."""
         self.is_completed()

@@ -22,6 +22,9 @@ from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind, 
 class Transport(abc.ABC):
     name: ClassVar[str]
     devices: ClassVar[frozenset[str]] = frozenset({"cpu"})
+    # Receives may name no peer (OpDesc.peer -1): matched by the first message of their tag
+    # from any rank, whose sender the request's `source` then gives.
+    any_source: ClassVar[bool] = False
 
     rank: int
     size: int

@@ -75,10 +75,15 @@ class NativeRequest(Request):
         self.wait(0)
         return True
 
+    @property
+    def source(self) -> int:
+        return self._work.source
+
 
 class NativeTransport(Transport):
     name = "native"
     devices = frozenset({"cpu"})
+    any_source = True
 
     @classmethod
     def available(cls) -> str | None:

@@ -42,6 +42,9 @@ class Op {
  public:
   explicit Op(OpArgs a) : args(std::move(a)) {}
   const OpArgs args;
+  // A receive: the rank its message came from (args.peer, or the sender matched by a receive
+  // from any rank). Written before finish(), read after test() / wait() saw it done.
+  int source = -1;
   bool test() const { return done_.load(std::memory_order_acquire); }
   // Waits up to timeout_s (< 0: no limit); throws the op's error, or TIMEOUT.
   void wait(double timeout_s);

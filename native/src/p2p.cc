@@ -10,8 +10,9 @@ namespace comm {
 
 namespace {
 std::string describe(const OpArgs& a) {
-  return std::string(a.kind == OpKind::SEND ? "isend to" : "irecv from") + " rank " +
-         std::to_string(a.peer) + " with tag " + std::to_string(a.tag);
+  const std::string who = a.peer < 0 ? "any rank" : "rank " + std::to_string(a.peer);
+  return std::string(a.kind == OpKind::SEND ? "isend to " : "irecv from ") + who + " with tag " +
+         std::to_string(a.tag);
 }
 }  // namespace
 
@@ -43,7 +44,7 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   if (broken_) throw *broken_;
   if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
   const int peer = a.peer, tag = a.tag;
-  PeerState& ps = peers_[peer];
+  const bool any_source = peer == -1;  // a receive from any rank (validate() allows no other -1)
   Pending p;
   p.op = std::make_shared<Op>(std::move(a));
   p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -54,7 +55,6 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   pending_++;
   if (args.kind == OpKind::SEND) {
     Transfer& t = p.t;
-    t.ch = ps.ch;
     t.is_send = true;
     t.buf = reinterpret_cast<char*>(args.send);
     t.len = bytes;
@@ -63,12 +63,20 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
     t.hdr.tag = tag;
     t.hdr.len = bytes;
     t.hdr.count = args.count;
+    PeerState& ps = peers_[peer];
+    t.ch = ps.ch;
     t.hdr.seq = ps.sent[tag]++;
     ps.sends.push_back(std::move(p));
   } else {
-    ps.recvs[tag].push_back(std::move(p));
-    try {
-      match_parked(peer, tag);  // the message may be here already
+    p.order = next_order_++;
+    try {  // the message may be here already
+      if (any_source) {
+        any_recvs_[tag].push_back(std::move(p));
+        match_parked_any(tag);
+      } else {
+        peers_[peer].recvs[tag].push_back(std::move(p));
+        match_parked(peer, tag);
+      }
     } catch (const CommError& e) {
       fail_all(e);
     }
@@ -145,20 +153,24 @@ bool P2P::pass() {
   (void)!read(wake_fd_, &drained, sizeof drained);
   if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
   const auto now = Clock::now();
+  const Pending* late = nullptr;
+  auto check = [&](const Pending& p) {
+    if (!late && p.deadline <= now) late = &p;
+  };
+  auto check_queues = [&](const RecvQueues& queues) {
+    for (const auto& [tag, q] : queues)
+      for (const Pending& p : q) check(p);
+  };
   for (PeerState& ps : peers_) {
-    auto expired = [&](const Pending& p) { return p.deadline <= now; };
-    const Pending* late = nullptr;
-    for (const Pending& p : ps.sends)
-      if (!late && expired(p)) late = &p;
-    for (const auto& [tag, q] : ps.recvs)
-      for (const Pending& p : q)
-        if (!late && expired(p)) late = &p;
-    if (!late && ps.target && expired(*ps.target)) late = &*ps.target;
-    if (late)
-      fail(ErrorCode::TIMEOUT, -1,
-           describe(late->op->args) + " not completed after " + std::to_string(c_.opt.timeout_s) +
-               " s (COMM_TIMEOUT): the peer did not post the matching operation, or is hung");
+    for (const Pending& p : ps.sends) check(p);
+    check_queues(ps.recvs);
+    if (ps.target) check(*ps.target);
   }
+  check_queues(any_recvs_);
+  if (late)
+    fail(ErrorCode::TIMEOUT, -1,
+         describe(late->op->args) + " not completed after " + std::to_string(c_.opt.timeout_s) +
+             " s (COMM_TIMEOUT): the peer did not post the matching operation, or is hung");
   bool moved = false;
   for (int p = 0; p < c_.size; p++) {
     if (!peers_[p].ch) continue;
@@ -205,12 +217,11 @@ bool P2P::progress_inbound(int peer) {
       body.ch = ps.ch;
       body.with_header = false;
       body.len = h.len;
-      auto it = ps.recvs.find(h.tag);
-      if (it != ps.recvs.end() && !it->second.empty()) {
-        // Oldest receive of the tag (nothing of this tag is parked: match_parked ran).
-        ps.target = std::move(it->second.front());
-        it->second.pop_front();
-        if (it->second.empty()) ps.recvs.erase(it);
+      if (std::deque<Pending>* q = oldest_receive(peer, h.tag)) {
+        // Oldest receive that can take it (nothing of this (peer, tag) is parked: it would
+        // have been matched when that receive was posted).
+        ps.target = std::move(q->front());
+        q->pop_front();
         accept(peer, h, *ps.target);
         body.buf = reinterpret_cast<char*>(ps.target->op->args.recv);
       } else if (parked_bytes_ + h.len <= kMaxParkedBytes) {
@@ -232,6 +243,7 @@ bool P2P::progress_inbound(int peer) {
       ps.target.reset();
     } else {
       const int tag = ps.park.hdr.tag;
+      ps.park.arrival = next_arrival_++;
       ps.parked[tag].push_back(std::move(ps.park));
       ps.park = Parked{};
       match_parked(peer, tag);  // a receive may have been posted while the body arrived
@@ -241,29 +253,73 @@ bool P2P::progress_inbound(int peer) {
   }
 }
 
+// Of the receives from `peer` and from any rank with this tag, the queue whose front was
+// posted first; null when neither has one. Empty queues it passes are erased.
+std::deque<P2P::Pending>* P2P::oldest_receive(int peer, int tag) {
+  auto front = [tag](RecvQueues& queues) -> std::deque<Pending>* {
+    auto it = queues.find(tag);
+    if (it == queues.end()) return nullptr;
+    if (it->second.empty()) {
+      queues.erase(it);
+      return nullptr;
+    }
+    return &it->second;
+  };
+  std::deque<Pending>* mine = front(peers_[peer].recvs);
+  std::deque<Pending>* any = front(any_recvs_);
+  if (mine && any) return mine->front().order < any->front().order ? mine : any;
+  return mine ? mine : any;
+}
+
 // Hands parked messages of (peer, tag) to posted receives, oldest to oldest.
 void P2P::match_parked(int peer, int tag) {
   PeerState& ps = peers_[peer];
   auto pit = ps.parked.find(tag);
-  auto rit = ps.recvs.find(tag);
-  if (pit == ps.parked.end() || rit == ps.recvs.end()) return;
-  while (!pit->second.empty() && !rit->second.empty()) {
-    Parked& m = pit->second.front();
-    Pending r = std::move(rit->second.front());
-    rit->second.pop_front();
-    accept(peer, m.hdr, r);
-    std::memcpy(reinterpret_cast<void*>(r.op->args.recv), m.body.data(), m.body.size());
-    parked_bytes_ -= m.body.size();
-    pit->second.pop_front();
-    finish(r);
+  if (pit == ps.parked.end()) return;
+  while (!pit->second.empty()) {
+    std::deque<Pending>* q = oldest_receive(peer, tag);
+    if (!q) break;
+    deliver(peer, tag, *q);
   }
   if (pit->second.empty()) ps.parked.erase(pit);
-  if (rit->second.empty()) ps.recvs.erase(rit);
+}
+
+// Hands parked messages of `tag` from any peer to receives from any rank, in arrival order.
+void P2P::match_parked_any(int tag) {
+  for (;;) {
+    auto rit = any_recvs_.find(tag);
+    if (rit == any_recvs_.end() || rit->second.empty()) return;
+    int first = -1;
+    for (int p = 0; p < c_.size; p++) {
+      auto pit = peers_[p].parked.find(tag);
+      if (pit == peers_[p].parked.end() || pit->second.empty()) continue;
+      if (first < 0 || pit->second.front().arrival < peers_[first].parked[tag].front().arrival) first = p;
+    }
+    if (first < 0) return;
+    deliver(first, tag, rit->second);
+    auto& parked = peers_[first].parked;
+    if (parked[tag].empty()) parked.erase(tag);
+    if (rit->second.empty()) any_recvs_.erase(rit);
+  }
+}
+
+// The oldest parked message of (peer, tag) completes the front receive of `receives`.
+void P2P::deliver(int peer, int tag, std::deque<Pending>& receives) {
+  std::deque<Parked>& parked = peers_[peer].parked[tag];
+  Parked& m = parked.front();
+  Pending r = std::move(receives.front());
+  receives.pop_front();
+  accept(peer, m.hdr, r);
+  std::memcpy(reinterpret_cast<void*>(r.op->args.recv), m.body.data(), m.body.size());
+  parked_bytes_ -= m.body.size();
+  parked.pop_front();
+  finish(r);
 }
 
 // Checks a matched message against its receive and advances the (peer, tag) counter.
 void P2P::accept(int peer, const WireHeader& h, const Pending& want) {
   const OpArgs& a = want.op->args;
+  want.op->source = peer;
   const uint64_t bytes = a.count * itemsize(a.dtype);
   const uint64_t expected_seq = peers_[peer].received[a.tag]++;
   if (h.dtype != static_cast<uint8_t>(a.dtype) || h.len != bytes || h.seq != expected_seq)
@@ -292,6 +348,9 @@ void P2P::fail_all(const CommError& e) {
     ps.target.reset();
     ps.park = Parked{};
   }
+  for (auto& [tag, q] : any_recvs_)
+    for (Pending& p : q) finish(p, e);
+  any_recvs_.clear();
   parked_bytes_ = 0;
 }
 

@@ -7,6 +7,12 @@
 // all; beyond that the peer's stream stalls until a matching receive is posted). Messages
 // with the same (peer, tag) therefore match in order, different tags in any order.
 //
+// A receive from any rank (peer -1, MPI_ANY_SOURCE) waits in a per-tag queue of its own and
+// takes the first message of its tag to arrive from any peer. Between a receive from any
+// rank and one from a given rank, the earlier-posted receive gets a message both could take;
+// messages parked before either was posted are taken in arrival order. Per (peer, tag) order
+// still holds: a message is only matched when no earlier message of its (peer, tag) waits.
+//
 // Progress: exactly one thread at a time "drives" (moves bytes for every pending op and
 // drains every peer's incoming stream): a blocking send / recv drives on the caller's
 // thread (no hand-off on the latency path), anything else is driven by the p2p thread.
@@ -49,17 +55,20 @@ class P2P {
   struct Pending {
     std::shared_ptr<Op> op;
     Clock::time_point deadline;
-    Transfer t;  // send: the message on the wire
+    uint64_t order = 0;  // receives: posting order, across peers
+    Transfer t;          // send: the message on the wire
   };
   struct Parked {
     WireHeader hdr;
     std::vector<char> body;
+    uint64_t arrival = 0;  // arrival order, across peers
   };
+  using RecvQueues = std::map<int, std::deque<Pending>>;  // by tag
   enum class Stage { HEADER, UNDECIDED, BODY };
   struct PeerState {
     Channel* ch = nullptr;
     std::deque<Pending> sends;                 // wire order = posting order
-    std::map<int, std::deque<Pending>> recvs;  // posted, not yet matched, by tag
+    RecvQueues recvs;                          // posted, not yet matched, by tag
     std::map<int, std::deque<Parked>> parked;  // arrived, not yet received, by tag
     std::map<int, uint64_t> sent, received;    // per-tag message numbers (wire seq)
     // The incoming message: its header, then its body into `target` or `park`.
@@ -76,7 +85,10 @@ class P2P {
   bool progress_sends(int peer);
   bool progress_inbound(int peer);
   void start_header(int peer);
+  std::deque<Pending>* oldest_receive(int peer, int tag);  // the queue whose front takes it
   void match_parked(int peer, int tag);
+  void match_parked_any(int tag);
+  void deliver(int peer, int tag, std::deque<Pending>& receives);
   void accept(int peer, const WireHeader& h, const Pending& want);
   void finish(Pending& p, std::optional<CommError> error = std::nullopt);
   void fail_all(const CommError& e);
@@ -84,6 +96,8 @@ class P2P {
 
   Comm& c_;
   std::vector<PeerState> peers_;
+  RecvQueues any_recvs_;  // receives from any rank, by tag
+  uint64_t next_order_ = 0, next_arrival_ = 0;
   std::mutex mu_;  // guards everything below; released while the driver sleeps
   std::condition_variable cv_;
   size_t pending_ = 0;  // ops posted and not finished

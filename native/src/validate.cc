@@ -113,7 +113,8 @@ void validate(const OpArgs& a, int rank, int size) {
     }
     case OpKind::SEND:
     case OpKind::RECV:
-      in_group(a.kind == OpKind::SEND ? "dst" : "src", a.peer, size);
+      if (a.kind == OpKind::SEND || a.peer != -1)  // a receive's -1: from any rank
+        in_group(a.kind == OpKind::SEND ? "dst" : "src", a.peer, size);
       if (a.peer == rank) invalid("cannot send to or receive from itself");
       if (a.tag < 0) invalid("tag " + std::to_string(a.tag) + " is negative");
       if (a.kind == OpKind::SEND) fits("send", a.send, a.send_bytes, block);

@@ -1,0 +1,214 @@
+"""The torch backend's Work, its completion thread, and its errors as torch sees them.
+
+A blocking call (torch's ``async_op=False``) runs on the caller's thread through the
+communicator's blocking path and returns a Work that is already complete. An asynchronous one
+is handed to the communicator's completion thread, which waits on the operations in posting
+order and resolves the Work's future without anyone calling wait(): DDP's communication hooks
+build on that. The future is resolved before the Work counts as done, so ``then`` callbacks
+have run when wait() returns (as with gloo), and a process that exits right after wait()
+never leaves a callback running on a thread the interpreter is tearing down.
+
+Errors leaving the backend are torch's ``DistBackendError`` as well as the comm error they
+were raised as, and timeouts say "Timed out", torch's wording, which tools match on.
+"""
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .errors import CommError, CommTimeout
+
+
+# ---- errors: comm's classes, also torch's DistBackendError ------------------------------------
+def _dist_class(cls: type) -> type:
+    """`cls` with torch's DistBackendError as a second base; defined in this module under its
+    own name (DistCommTimeout, ...) so errors still pickle."""
+    name = f"Dist{cls.__name__}"
+    made = globals().get(name)
+    if made is None:
+        made = type(name, (cls, dist.DistBackendError), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = made
+    return made
+
+
+def as_torch_error(e: CommError) -> CommError:
+    """The same error (rank, op, cause, traceback), now also a DistBackendError."""
+    if isinstance(e, dist.DistBackendError):
+        return e
+    if isinstance(e, CommTimeout) and "Timed out" not in e.cause:
+        lowered = e.cause.startswith("timed out")
+        e.cause = f"T{e.cause[1:]}" if lowered else f"Timed out: {e.cause}"
+    e.__class__ = _dist_class(type(e))
+    e.args = (e._text(),)
+    return e
+
+
+for _cls in (CommError, errors.InvalidArgument, CommTimeout, errors.PeerFailure, errors.Aborted,
+             errors.Closed, errors.Mismatch, errors.TransportUnavailable):
+    _dist_class(_cls)
+
+
+def seconds(timeout) -> float | None:
+    """torch's timeout (timedelta, seconds, or <= 0 / None for "the default") -> seconds or None."""
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    return timeout if timeout is not None and timeout > 0 else None
+
+
+# ---- Work --------------------------------------------------------------------------------------
+class TorchWork(dist.distributed_c10d.Work):
+    """torch's Work over one or more comm operations. Its future holds `result` (the output
+    tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
+
+    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None,
+                 done: bool = False):
+        """done: a blocking call's work, complete (and successful) before it is returned; it
+        skips the Event, whose construction is a visible part of a small operation's latency."""
+        super().__init__()
+        self._pg, self._op, self._result = pg, op, result
+        self._copies = copies      # (destination, staging) pairs to copy back on success
+        self._source = source      # receives: the sender's group rank, once known
+        # CUDA: the future knows its device, so its consumers' streams wait on its events.
+        if device is not None and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self._device = device if device is not None and device.type == "cuda" else None
+        self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
+        self._future: torch.futures.Future | None = None   # made on first get_future()
+        self._lock = threading.Lock()
+        self._done = None if done else threading.Event()   # None: done from the start
+        self._finished = done               # the outcome is known (the future may still run callbacks)
+        self._completer: int | None = None   # the thread resolving the future right now
+        self._error: BaseException | None = None
+
+    def _stream_ordered(self, comm_works) -> bool:
+        """True when every operation completes on a CUDA stream (nccl) and nothing is copied
+        back on the host: wait() can then order the caller's stream without blocking."""
+        reqs = [w._req for w in comm_works if w is not None]
+        if self._device is None or self._copies or not all(hasattr(r, "stream_wait") for r in reqs):
+            return False
+        self._streamed = reqs
+        return True
+
+    def _complete(self, comm_works, timeout: float | None) -> None:
+        """Wait on the comm operations, copy staged outputs back, resolve the future (running its
+        callbacks), then mark the work done."""
+        try:
+            for w in comm_works:
+                if isinstance(w, TorchWork):   # coalesced: done means done on the GPU too
+                    w._host_wait(timeout)
+                elif w is not None:
+                    w.wait(timeout)
+                    if self._op == "recv" and self._source < 0:
+                        self._source = w.source
+            for dst, src in self._copies:
+                dst.copy_(src)
+            if self._copies and self._device is not None:   # the copies ran on this thread's stream
+                torch.cuda.current_stream(self._device).synchronize()
+        except CommError as e:
+            self._error = as_torch_error(e)
+        except BaseException as e:  # delivered to whoever waits, and to the future
+            self._error = e
+        self._copies = ()
+        with self._lock:
+            future, self._finished = self._future, True   # a later get_future() resolves its own
+            self._completer = threading.get_ident()
+        if future is not None:
+            self._resolve(future)
+        with self._lock:
+            self._completer = None
+            self._done.set()
+
+    def _resolve(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._result)
+
+    def wait(self, timeout=None) -> bool:
+        """CUDA work on nccl: the caller's current stream waits for it, the host does not (as
+        torch's NCCL backend). Everything else: block until done (synchronize() always blocks)."""
+        if self._streamed is not None and self._error is None:
+            for req in self._streamed:
+                req.stream_wait()
+            return True
+        return self._host_wait(timeout)
+
+    def _host_wait(self, timeout=None) -> bool:
+        if not self.is_completed() and self._completer != threading.get_ident():
+            # torch passes 0 for "no timeout": the completion thread's own waits are bounded
+            # by the communicator's timeout, so the slack only covers the hand-off.
+            limit = seconds(timeout) or self._pg.timeout + 30
+            if not self._done.wait(limit):
+                raise as_torch_error(CommTimeout(f"not completed within {limit:g} s",
+                                                 rank=self._pg.rank(), op=self._op))
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done is None or self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list:
+        self._host_wait()
+        return self._result
+
+    def source_rank(self) -> int:
+        """The sender of a receive from any source (its rank in the group)."""
+        self._host_wait()
+        if self._source < 0:
+            raise as_torch_error(errors.InvalidArgument("source_rank() is only defined for receives",
+                                                        rank=self._pg.rank(), op=self._op))
+        return self._source
+
+    _source_rank = source_rank
+
+    def get_future(self) -> torch.futures.Future:
+        with self._lock:
+            if self._future is None:
+                self._future = (torch.futures.Future(devices=[self._device]) if self._device
+                                else torch.futures.Future())
+                if self._finished:
+                    self._resolve(self._future)
+            return self._future
+
+    def synchronize(self) -> None:
+        """Block the host until the work is done (on CUDA too)."""
+        self._host_wait()
+
+
+class Completer:
+    """One thread per communicator that completes asynchronous work in posting order.
+    stop() lets it finish what is queued (the communicator's close fails what is still
+    pending) and joins it: a thread left inside a callback at exit aborts the process."""
+
+    def __init__(self, name: str, timeout: float):
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: TorchWork, comm_works) -> None:
+        self._queue.put((work, comm_works))
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            item[0]._complete(item[1], self.timeout)
+            item = None  # drop the comm works (and their buffers) before blocking again
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
