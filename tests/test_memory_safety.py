@@ -101,6 +101,7 @@ def splits_disagree(world, delta: int, width: int):
     (2, "tcp", -1, 3),              # ... and a shorter one (a row would stay unwritten)
     (3, "auto", 2, 1 << 16),        # 768 KiB against 256 KiB: larger than a shm ring
     (3, "tcp", -1, 1 << 17),        # 0 bytes against 512 KiB: striped over the sockets
+    (2, "tcp", 2, 1 << 15),         # 384 KiB (striped) against 128 KiB (one socket)
 ])
 def test_all_to_all_splits_disagree(cluster, n, channels, delta, width):
     c = cluster(n, env={"COMM_CHANNELS": channels})
