@@ -194,6 +194,8 @@ def _from_cuda_dlpack(x, op: str, device_id: int) -> Buffer:
         raise _bad(op, f"DLPack type code {t.dtype.code}, {t.dtype.bits} bits x {t.dtype.lanes} is not supported")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     count = int(np.prod(shape)) if shape else 1
+    if count and not t.data:
+        raise _bad(op, f"DLPack array of shape {shape} has no memory (null data pointer)")
     if t.strides and count > 1:
         expect = 1
         for i in reversed(range(t.ndim)):
