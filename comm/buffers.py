@@ -94,11 +94,25 @@ def _from_torch(t, op: str) -> Buffer:
     dtype = _TORCH_DTYPES.get(str(t.dtype))
     if dtype is None:
         raise _bad(op, f"dtype {t.dtype} is not supported")
-    if not t.is_contiguous():
-        raise _bad(op, f"tensor of shape {tuple(t.shape)} is not contiguous; pass x.contiguous()")
+    try:  # sparse, mkldnn and nested tensors have no plain memory: torch raises on these
+        contiguous, ptr, count, shape = t.is_contiguous(), t.data_ptr(), t.numel(), tuple(t.shape)
+        storage_bytes, offset, negated = t.untyped_storage().nbytes(), t.storage_offset(), t.is_neg()
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        raise _bad(op, f"a {t.layout} {type(t).__name__} has no plain memory to use ({e})") from None
+    if not contiguous:
+        raise _bad(op, f"tensor of shape {shape} is not contiguous; pass x.contiguous()")
+    if count and not ptr:  # FakeTensor, meta, or storage freed (FSDP frees parameters so)
+        what = "a FakeTensor" if type(t).__name__ == "FakeTensor" else f"a {t.device.type} tensor"
+        raise _bad(op, f"{what} of shape {shape} has no memory (no data, or its storage was "
+                       "freed / resized to 0)")
+    need = (offset + count) * dtype.itemsize
+    if count and storage_bytes < need:  # the engine would read or write past the storage
+        raise _bad(op, f"tensor of shape {shape} needs {need} bytes of storage but its storage "
+                       f"holds {storage_bytes} (was it resized?)")
+    if negated:  # the memory holds -x: sending it would be silently wrong
+        raise _bad(op, "tensor is a lazy negation view; pass x.resolve_neg()")
     dev = t.device
-    return Buffer(t.data_ptr(), t.numel(), dtype, tuple(t.shape), dev.type,
-                  dev.index or 0, False, t)
+    return Buffer(ptr, count, dtype, shape, dev.type, dev.index or 0, False, t)
 
 
 def _from_cai(x, op: str) -> Buffer:
@@ -116,7 +130,11 @@ def _from_cai(x, op: str) -> Buffer:
             expect *= dim
         if tuple(reversed(want)) != tuple(strides) and count > 1:
             raise _bad(op, "CUDA array is not contiguous")
+    if cai.get("mask") is not None:
+        raise _bad(op, "masked CUDA arrays are not supported")
     ptr, readonly = cai["data"]
+    if count and not ptr:
+        raise _bad(op, f"CUDA array of shape {shape} has no memory (null data pointer)")
     return Buffer(ptr, count, dtype, shape, "cuda", _cuda_ordinal(ptr), bool(readonly), x)
 
 
@@ -176,6 +194,8 @@ def _from_cuda_dlpack(x, op: str, device_id: int) -> Buffer:
         raise _bad(op, f"DLPack type code {t.dtype.code}, {t.dtype.bits} bits x {t.dtype.lanes} is not supported")
     shape = tuple(t.shape[i] for i in range(t.ndim))
     count = int(np.prod(shape)) if shape else 1
+    if count and not t.data:
+        raise _bad(op, f"DLPack array of shape {shape} has no memory (null data pointer)")
     if t.strides and count > 1:
         expect = 1
         for i in reversed(range(t.ndim)):

@@ -276,11 +276,11 @@ class Communicator:
             raise self._error(name, f"input rows {send.shape[1:]} and output rows {recv.shape[1:]} differ")
         send_counts = self._splits(name, send, in_splits, "input")
         recv_counts = self._splits(name, recv, out_splits, "output")
+        if in_splits is None and out_splits is None:
+            self._count_match(name, recv.count, send.count, "output")
         if send_counts[self.rank] != recv_counts[self.rank]:  # the block a rank keeps is copied
             raise self._error(name, f"in_splits[{self.rank}] and out_splits[{self.rank}] differ: "
                                     "the rows a rank sends itself must equal the rows it expects")
-        if in_splits is None and out_splits is None:
-            self._count_match(name, recv.count, send.count, "output")
         return self._post(OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,
                                  send_counts=send_counts, recv_counts=recv_counts), async_op)
 

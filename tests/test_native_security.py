@@ -11,6 +11,7 @@ import secrets
 import socket
 import stat
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -98,3 +99,68 @@ def test_strangers_on_the_data_listener(monkeypatch, payload, wrong_secret):
     for t in [rank0, rank1] + strangers:
         t.join(60)
     assert results == {0: 3.0, 1: 3.0}, results
+
+
+def _lingering_stranger(addr: str, port: int, kind: str, hold: float, stop: threading.Event) -> None:
+    """Connect and stay: `idle` sends nothing, `garbage` sends bytes that are not the protocol,
+    `slow` trickles the protocol's hello one byte a second. None of them hangs up."""
+    try:
+        with socket.create_connection((addr, port), timeout=5) as s:
+            if kind == "garbage":
+                s.sendall(secrets.token_bytes(64))
+            for i in range(int(hold)):
+                if stop.wait(1):
+                    break
+                if kind == "slow" and i < len(auth.MAGIC):
+                    s.sendall(auth.MAGIC[i:i + 1])
+    except OSError:
+        pass  # being dropped is fine
+
+
+@pytest.mark.parametrize("secret", [None, "the-real-secret"])
+def test_lingering_strangers_do_not_stall_setup(monkeypatch, secret):
+    """Strangers that connect to a rank's data listener during set-up and then stall,
+    trickle or send garbage without hanging up: init still completes on every rank, in far
+    less than the timeout (handshakes run concurrently, each under a short deadline)."""
+    if secret:
+        monkeypatch.setenv("COMM_SECRET", secret)
+    else:
+        monkeypatch.delenv("COMM_SECRET", raising=False)
+    port, results, stop = free_port(), {}, threading.Event()
+    start = time.monotonic()
+    rank0 = threading.Thread(target=_rank, args=(0, port, results))
+    rank0.start()
+    spy = Store("127.0.0.1", port, rank=1, size=2, timeout=20,
+                secret=secret.encode() if secret else None)
+    info = json.loads(spy.get("world/native/info/0"))
+    spy.close()
+    strangers = [threading.Thread(target=_lingering_stranger,
+                                  args=(info["addr"], info["port"], kind, 60, stop))
+                 for kind in ("idle", "idle", "garbage", "slow", "idle")]
+    for t in strangers:
+        t.start()
+    time.sleep(0.3)  # the strangers are queued ahead of rank 1's connections
+    rank1 = threading.Thread(target=_rank, args=(1, port, results))
+    rank1.start()
+    rank0.join(60)
+    rank1.join(60)
+    elapsed = time.monotonic() - start
+    stop.set()
+    for t in strangers:
+        t.join(10)
+    assert results == {0: 3.0, 1: 3.0}, results
+    # before: one idle stranger delayed init by the whole timeout (30 s), two failed it
+    assert elapsed < 15, f"set-up took {elapsed:.1f} s with strangers on the listener"
+
+
+def test_data_listener_closed_after_setup(cluster):
+    """Once the mesh is connected no data listener is left open for strangers to reach."""
+    ports = cluster(2).run(_listener_port)
+    for addr, port in ports:
+        with pytest.raises(OSError):
+            socket.create_connection((addr, port), timeout=2).close()
+
+
+def _listener_port(world):
+    info = json.loads(world._ctx.store.get(f"native/info/{world.rank}"))
+    return info["addr"], info["port"]

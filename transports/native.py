@@ -13,8 +13,10 @@ plus COMM_SOCKETS_PER_PEER sockets over which collective traffic is striped.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -36,8 +38,19 @@ except ImportError as _e:  # the extension was not built
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
 DIRECT_MAX_BYTES = 32 << 10
 
+# A data connection must complete its handshake this fast (ours take milliseconds), and at
+# most this many may be in progress at once: a stranger cannot hold up set-up for longer.
+HANDSHAKE_S = 5.0
+MAX_HANDSHAKES = 256
+
 _MONITOR, _P2P, _FIRST_COLL = 0, 1, 2  # socket roles, sent by the connecting side
 _IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
+
+
+def _wake(s: socket.socket) -> None:
+    """End a handshake from outside: its thread's blocked recv returns, and it closes `s`."""
+    with contextlib.suppress(OSError):
+        s.shutdown(socket.SHUT_RDWR)
 
 
 def _error_classes() -> dict:
@@ -201,30 +214,78 @@ class NativeTransport(Transport):
 
     @staticmethod
     def _accept_all(ctx, listener, expected, token, socks, errors, deadline) -> None:
-        try:
-            while expected > 0:
-                listener.settimeout(max(0.01, deadline - time.monotonic()))
-                try:
-                    s, _ = listener.accept()
-                except socket.timeout:
-                    raise CommTimeout(f"{expected} connections from higher ranks never arrived",
-                                      rank=ctx.rank, op="init") from None
-                try:
-                    auth.server_handshake(s, ctx.secret, max(0.1, deadline - time.monotonic()))
-                    s.settimeout(max(0.1, deadline - time.monotonic()))
-                    peer, role, their_token = _IDENT.unpack(auth.recv_exact(s, _IDENT.size))
-                except (OSError, auth.HandshakeError):
-                    s.close()  # a stranger or a wrong secret: not one of ours, keep waiting
-                    continue
-                if their_token != token or not ctx.rank < peer < ctx.size or role in socks[peer]:
+        """Accept `expected` connections from higher ranks. Every connection's handshake runs
+        on its own thread under its own short deadline (a stuck one is shut down), so a
+        stranger that connects and stalls, trickles or sends garbage costs one thread for
+        HANDSHAKE_S at most and never holds up the ranks' own connections."""
+        lock = threading.Lock()
+        pending: dict[socket.socket, float] = {}  # handshakes in progress -> their deadline
+        state = {"missing": expected, "over": False}
+        wake_r, wake_w = socket.socketpair()  # a registered connection wakes the loop below
+
+        def handshake(s: socket.socket) -> None:
+            try:
+                auth.server_handshake(s, ctx.secret, HANDSHAKE_S)
+                s.settimeout(HANDSHAKE_S)
+                peer, role, their_token = _IDENT.unpack(auth.recv_exact(s, _IDENT.size))
+                ours = their_token == token and ctx.rank < peer < ctx.size
+            except (OSError, auth.HandshakeError):  # a stranger or a wrong secret
+                ours = False
+            with lock:
+                # not ours, evicted by its deadline, a duplicate, or set-up already over
+                if pending.pop(s, None) is None or not ours or state["over"] or role in socks[peer]:
                     s.close()
-                    continue
+                    return
                 s.settimeout(None)
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 socks[peer][role] = s
-                expected -= 1
+                state["missing"] -= 1
+            with contextlib.suppress(OSError):  # the loop may have finished already
+                wake_w.send(b"!")
+
+        listener.setblocking(False)
+        try:
+            while True:
+                now = time.monotonic()
+                with lock:
+                    if state["missing"] == 0:
+                        return
+                    for s in [s for s, due in pending.items() if due <= now]:
+                        del pending[s]
+                        _wake(s)
+                    wake_at = min([deadline, *pending.values()])
+                if now >= deadline:
+                    raise CommTimeout(f"{state['missing']} connections from higher ranks never arrived",
+                                      rank=ctx.rank, op="init")
+                ready, _, _ = select.select([listener, wake_r], [], [], wake_at - now)
+                if wake_r in ready:
+                    wake_r.recv(4096)
+                if listener not in ready:
+                    continue
+                try:
+                    s, _ = listener.accept()
+                except (BlockingIOError, ConnectionAbortedError):
+                    continue
+                except OSError:  # out of file descriptors or memory: retry until the deadline
+                    time.sleep(0.05)
+                    continue
+                with lock:
+                    if len(pending) >= MAX_HANDSHAKES:  # a flood: drop rather than grow
+                        s.close()
+                        continue
+                    pending[s] = min(deadline, time.monotonic() + HANDSHAKE_S)
+                threading.Thread(target=handshake, args=(s,), daemon=True,
+                                 name=f"comm-handshake-{ctx.rank}").start()
         except BaseException as e:  # handed to the connecting thread
             errors.append(e)
+        finally:
+            with lock:
+                state["over"] = True
+                for s in pending:
+                    _wake(s)
+                pending.clear()
+            wake_r.close()
+            wake_w.close()
 
     # ---- operations --------------------------------------------------------------------------
     def post(self, desc: OpDesc, blocking: bool) -> Request:

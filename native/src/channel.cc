@@ -25,23 +25,34 @@ void check_header(const WireHeader& g, const WireHeader& e, int peer_, Transfer:
   if (g.magic != kWireMagic)
     fail(ErrorCode::MISMATCH, peer_, "corrupt message header from rank " + std::to_string(peer_));
   if (check == Transfer::Check::NONE) return;
-  const bool same_op = g.kind == e.kind && g.dtype == e.dtype && g.op == e.op && g.seq == e.seq &&
-                       g.root == e.root && g.tag == e.tag;
-  if (same_op && g.kind == static_cast<uint8_t>(OpKind::ALL_TO_ALL) && (g.len != e.len || g.count != e.count)) {
-    // all_to_all headers carry both directions between the two ranks (pairwise.cc).
-    const size_t elem = e.dtype < static_cast<uint8_t>(DType::COUNT) ? itemsize(static_cast<DType>(e.dtype)) : 1;
-    auto elems = [&](uint64_t bytes) { return std::to_string(bytes / elem); };
-    const std::string me = "this rank", them = "rank " + std::to_string(peer_);
-    fail(ErrorCode::MISMATCH, peer_,
-         "all_to_all splits disagree: " + them + " sends " + elems(g.len) + " elements to " + me +
-             ", which expects " + elems(e.len) + "; " + me + " sends " + elems(e.count) + " to " +
-             them + ", which expects " + elems(g.count) +
-             " (in_splits on one side must equal out_splits on the other)");
-  }
-  if (!same_op || g.count != e.count || g.len != e.len)
+  if (g.kind != e.kind || g.dtype != e.dtype || g.op != e.op || g.seq != e.seq ||
+      g.count != e.count || g.root != e.root || g.tag != e.tag || g.len != e.len)
     fail(ErrorCode::MISMATCH, peer_,
          "rank " + std::to_string(peer_) + " sent " + describe(g) + " but this rank expected " +
              describe(e) + ": the ranks called different operations");
+}
+
+void accept_header(Transfer& t, int peer) {
+  if (t.check != Transfer::Check::SPLITS) return check_header(t.got, t.hdr, peer, t.check);
+  WireHeader lengths_aside = t.got;
+  lengths_aside.len = t.hdr.len;
+  lengths_aside.count = t.hdr.count;
+  check_header(lengths_aside, t.hdr, peer);
+  if (t.got.len != t.hdr.len) {
+    t.drain = true;
+    t.len = t.got.len;
+  }
+}
+
+void fail_splits(const WireHeader& got, const WireHeader& expected, int peer) {
+  const size_t elem = itemsize(static_cast<DType>(expected.dtype));
+  auto elems = [&](uint64_t bytes) { return std::to_string(bytes / elem); };
+  const std::string them = "rank " + std::to_string(peer);
+  fail(ErrorCode::MISMATCH, peer,
+       "all_to_all splits disagree: " + them + " sends " + elems(got.len) +
+           " elements to this rank, which expects " + elems(expected.len) + "; this rank sends " +
+           elems(expected.count) + " elements to " + them + ", which expects " + elems(got.count) +
+           " (in_splits[j] on rank i must equal out_splits[i] on rank j)");
 }
 
 }  // namespace comm

@@ -33,7 +33,11 @@ class Channel;
 // One message to send or receive. For a receive, `hdr` is what is expected; `got` is
 // filled from the wire and checked before any payload byte is accepted.
 struct Transfer {
-  enum class Check { FULL, NONE };
+  // FULL: the header must equal `hdr`. NONE: only the magic is checked (the caller reads the
+  // header itself). SPLITS (all_to_all): the lengths (len, count) may differ from `hdr`;
+  // a payload of another length is then drained unread (`drain`), so the exchange runs to
+  // its end on every rank and the caller reports the disagreement afterwards (fail_splits).
+  enum class Check { FULL, NONE, SPLITS };
   Channel* ch = nullptr;
   bool is_send = false;
   char* buf = nullptr;
@@ -42,6 +46,7 @@ struct Transfer {
   WireHeader got;
   Check check = Check::FULL;
   bool with_header = true;  // false: payload only (its header was received separately)
+  bool drain = false;       // the payload is read and dropped: `buf` is not touched
   size_t hdr_done = 0;
   size_t done = 0;                  // payload bytes moved in total
   size_t part_done[kMaxStripes] = {};  // per-socket progress of a striped TCP payload
@@ -76,5 +81,10 @@ class Channel {
 // magic is verified (the caller inspects the header itself).
 void check_header(const WireHeader& got, const WireHeader& expected, int peer,
                   Transfer::Check check = Transfer::Check::FULL);
+// What a channel calls once a receive's header is in: check_header as `t.check` says, or
+// for SPLITS switch `t` to draining when the lengths differ.
+void accept_header(Transfer& t, int peer);
+// MISMATCH for an all_to_all receive whose header `got` disagrees with `expected` on lengths.
+[[noreturn]] void fail_splits(const WireHeader& got, const WireHeader& expected, int peer);
 
 }  // namespace comm

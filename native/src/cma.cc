@@ -116,7 +116,7 @@ void cma_reduce_scatter(Comm& c, const Coll& op) {
 void cma_all_gather(Comm& c, const Coll& op) {
   const size_t bytes = op.count * op.elem;
   const auto peers = exchange_addresses(c, op, bytes);
-  if (op.send != op.recv + c.rank * bytes) std::memcpy(op.recv + c.rank * bytes, op.send, bytes);
+  if (bytes && op.send != op.recv + c.rank * bytes) std::memcpy(op.recv + c.rank * bytes, op.send, bytes);
   for (int p = 0; p < c.size; p++)
     if (p != c.rank) read_remote(c, peers[p], p, peers[p].send, op.recv + p * bytes, bytes);
   sync_round(c);

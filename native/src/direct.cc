@@ -54,6 +54,7 @@ void direct_collective(Comm& c, const Coll& op) {
     if (p != me) check_header(shm.slot(p, round)->hdr, mine->hdr, p);
 
   const size_t block = op.count * op.elem;
+  if (!block) return;  // nothing to read (and an empty array may have no address at all)
   switch (op.kind) {
     case OpKind::ALL_REDUCE: reduce_slots(c, op, round, 0, op.recv); break;
     case OpKind::REDUCE:

@@ -141,7 +141,7 @@ void Engine::execute(Op& op) {
 // A group of one: every collective is a local copy.
 static void run_alone(const Coll& op) {
   const size_t bytes = op.kind == OpKind::ALL_TO_ALL ? (*op.send_counts)[0] * op.elem : op.count * op.elem;
-  if (op.recv && op.send && op.recv != op.send && op.kind != OpKind::BARRIER)
+  if (bytes && op.recv != op.send && op.kind != OpKind::BARRIER)
     std::memmove(op.recv, op.send, bytes);
 }
 

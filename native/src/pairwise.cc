@@ -3,6 +3,7 @@
 // gather / scatter: the root talks to every rank at once.
 #include <cstring>
 #include <numeric>
+#include <optional>
 
 #include "algorithms.h"
 #include "topology.h"
@@ -16,23 +17,30 @@ void pairwise_all_to_all(Comm& c, const Coll& op) {
     sdisp[i + 1] = sdisp[i] + (*op.send_counts)[i] * op.elem;
     rdisp[i + 1] = rdisp[i] + (*op.recv_counts)[i] * op.elem;
   }
-  // validate() made the block a rank keeps the same size on both sides.
-  std::memmove(op.recv + rdisp[r], op.send + sdisp[r], sdisp[r + 1] - sdisp[r]);
   auto sent = [&](int p) { return sdisp[p + 1] - sdisp[p]; };
   auto received = [&](int p) { return rdisp[p + 1] - rdisp[p]; };
+  // validate() made the block a rank keeps the same size on both sides.
+  if (sent(r)) std::memmove(op.recv + rdisp[r], op.send + sdisp[r], sent(r));
+  // Every header carries both directions of its pair of ranks: `len` is what the message
+  // holds, `count` the bytes its sender expects back. The receiver checks both before a
+  // payload byte lands. On a disagreement the payload is drained unread and the remaining
+  // steps still run, so both ranks of the pair fail with Mismatch (never a write past a
+  // block, never a block silently unwritten) and no other rank waits for a step that never
+  // comes.
+  std::optional<Transfer> disagreed;
   for (int s = 1; s < n; s++) {
     const int to = mod(r + s, n), from = mod(r - s, n);
-    // Every header carries both directions of its pair of ranks: `len` is what this message
-    // holds, `count` the bytes its sender expects back. The receiver checks both before any
-    // payload byte lands, so a disagreement on the splits fails on both ranks of the pair
-    // (Mismatch) instead of writing past a block or leaving one unwritten.
     WireHeader out = op.header(0), in = op.header(0);
     out.count = received(to);
     in.count = sent(from);
     Transfer ts[2] = {c.send_to(to, op.send + sdisp[to], sent(to), out),
                       c.recv_from(from, op.recv + rdisp[from], received(from), in)};
+    ts[1].check = Transfer::Check::SPLITS;
     c.run(ts, 2);
+    const Transfer& got = ts[1];
+    if (!disagreed && (got.got.len != got.hdr.len || got.got.count != got.hdr.count)) disagreed = got;
   }
+  if (disagreed) fail_splits(disagreed->got, disagreed->hdr, disagreed->ch->peer());
 }
 
 void linear_gather(Comm& c, const Coll& op) {
@@ -43,7 +51,7 @@ void linear_gather(Comm& c, const Coll& op) {
     c.run(&t, 1);
     return;
   }
-  std::memmove(op.recv + c.rank * bytes, op.send, bytes);
+  if (bytes) std::memmove(op.recv + c.rank * bytes, op.send, bytes);
   std::vector<Transfer> ts;
   for (int p = 0; p < c.size; p++)
     if (p != c.rank) ts.push_back(c.recv_from(p, op.recv + p * bytes, bytes, h));
@@ -58,7 +66,7 @@ void linear_scatter(Comm& c, const Coll& op) {
     c.run(&t, 1);
     return;
   }
-  std::memmove(op.recv, op.send + c.rank * bytes, bytes);
+  if (bytes) std::memmove(op.recv, op.send + c.rank * bytes, bytes);
   std::vector<Transfer> ts;
   for (int p = 0; p < c.size; p++)
     if (p != c.rank) ts.push_back(c.send_to(p, op.send + p * bytes, bytes, h));

@@ -11,7 +11,7 @@ void rd_all_reduce(Comm& c, const Coll& op) {
   const int n = c.size, r = c.rank;
   const size_t bytes = op.count * op.elem;
   char* out = op.recv;
-  if (op.send != out) std::memcpy(out, op.send, bytes);
+  if (bytes && op.send != out) std::memcpy(out, op.send, bytes);
   char* tmp = c.scratch(0, bytes);
   const WireHeader h = op.header(0);
   int pow2 = 1;

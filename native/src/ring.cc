@@ -70,7 +70,7 @@ void ring_reduce_scatter(Comm& c, const Coll& op) {
 void ring_all_gather(Comm& c, const Coll& op) {
   const size_t bytes = op.count * op.elem;
   char* mine = op.recv + c.rank * bytes;
-  if (op.send != mine) std::memcpy(mine, op.send, bytes);
+  if (bytes && op.send != mine) std::memcpy(mine, op.send, bytes);
   ring_gather_blocks(c, op, op.recv, Blocks{op.count * c.size, c.size});
 }
 

@@ -186,11 +186,16 @@ bool ShmChannel::pull(Transfer& t) {
     size_t n = std::min(avail, sizeof(WireHeader) - t.hdr_done);
     get(reinterpret_cast<char*>(&t.got) + t.hdr_done, n);
     t.hdr_done += n;
-    if (t.hdr_done == sizeof(WireHeader)) check_header(t.got, t.hdr, peer_, t.check);
+    if (t.hdr_done == sizeof(WireHeader)) accept_header(t, peer_);
   }
   if (t.header_complete() && t.done < t.len && avail > 0) {
     size_t n = std::min(avail, t.len - t.done);
-    get(t.buf + t.done, n);
+    if (t.drain) {
+      pos += n;
+      avail -= n;
+    } else {
+      get(t.buf + t.done, n);
+    }
     t.done += n;
   }
   if (pos == tail) return false;

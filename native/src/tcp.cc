@@ -45,9 +45,10 @@ static size_t stripe_begin(size_t len, int i, int k) {
 }
 
 bool TcpChannel::progress(Transfer& t) {
-  const int k = stripes(t.len);
   bool moved = false;
-  for (int i = 0; i < k; i++) {
+  // t.len is re-read each time: a drained receive learns its length from the header (i = 0).
+  for (int i = 0; i < stripes(t.len); i++) {
+    const int k = stripes(t.len);
     size_t begin = stripe_begin(t.len, i, k), end = stripe_begin(t.len, i + 1, k);
     moved |= t.is_send ? send_part(t, i, begin, end) : recv_part(t, i, begin, end);
   }
@@ -95,13 +96,16 @@ bool TcpChannel::recv_part(Transfer& t, int i, size_t begin, size_t end) {
     }
     t.hdr_done += static_cast<size_t>(n);
     if (!t.header_complete()) return true;
-    check_header(t.got, t.hdr, peer_, t.check);
+    accept_header(t, peer_);
+    if (t.drain) return true;  // [begin, end) came from the old length
     moved = true;
   }
   if (!t.header_complete()) return moved;
   size_t at = begin + t.part_done[i];
   if (at >= end) return moved;
-  ssize_t n = recv(fds_[i], t.buf + at, end - at, MSG_DONTWAIT);
+  static thread_local char sink[64 << 10];  // where a drained payload goes
+  ssize_t n = t.drain ? recv(fds_[i], sink, std::min(end - at, sizeof sink), MSG_DONTWAIT)
+                      : recv(fds_[i], t.buf + at, end - at, MSG_DONTWAIT);
   if (n == 0) lost("end of stream");
   if (n < 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) return moved;
