@@ -59,7 +59,8 @@ class Torchrun(Launcher):
 
     @staticmethod
     def detect(env):
-        return "RANK" in env and "WORLD_SIZE" in env
+        # either one: RANK without WORLD_SIZE is a mistake init reports, not a world of one
+        return "RANK" in env or "WORLD_SIZE" in env
 
     @staticmethod
     def placement(env):
@@ -189,6 +190,31 @@ def bind_address() -> str | None:
         return addr
     ifname = config.get("COMM_IFNAME")
     return interface_address(ifname) if ifname else None
+
+
+def listen_address(master_addr: str) -> str:
+    """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_IFNAME when set, else
+    the local address our route to MASTER_ADDR starts from (a UDP connect sends nothing), so
+    MASTER_ADDR=127.0.0.1 keeps the store on loopback. A host name other than localhost that
+    resolves to loopback here (Debian maps the host's own name to 127.0.1.1) may resolve to a
+    real address on the other hosts: then every interface, as before."""
+    explicit = bind_address()
+    if explicit:
+        return explicit
+    try:
+        resolved = socket.gethostbyname(master_addr)
+    except OSError as e:
+        raise InvalidArgument(f"MASTER_ADDR {master_addr!r} does not resolve ({e})", op="init") from None
+    literal = resolved == master_addr or master_addr == "localhost"
+    if resolved.startswith("127.") and not literal:
+        return "0.0.0.0"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((resolved, 9))
+            return s.getsockname()[0]
+        except OSError as e:
+            raise InvalidArgument(f"MASTER_ADDR {master_addr!r} is not reachable from here ({e.strerror})",
+                                  op="init") from None
 
 
 def host_id() -> str:

@@ -21,14 +21,14 @@ SECRET = b"job-secret-for-tests"
 @pytest.fixture
 def store():
     port = free_port()
-    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=1, timeout=5, secret=SECRET)
+    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=2, timeout=5, secret=SECRET)
     yield s, port
     s.close()
 
 
 def test_right_secret_connects(store):
     s, port = store
-    other = Store("127.0.0.1", port, rank=0, size=1, timeout=5, secret=SECRET)
+    other = Store("127.0.0.1", port, rank=1, size=2, timeout=5, secret=SECRET)
     s.set("k", b"v")
     assert other.get("k") == b"v"
     other.close()
