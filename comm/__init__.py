@@ -15,7 +15,7 @@ from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
 from .store import Store
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
-                     PeerFailure, TransportUnavailable)
+                     PeerFailure, TransportUnavailable, from_os_error)
 from .types import DType, PremulSum, ReduceOp, premul_sum
 from .work import Work
 
@@ -80,6 +80,15 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     at once with an error naming the disagreement. While ranks are missing, rank 0 reports
     every COMM_REPORT_INTERVAL seconds which ones, and where the others came from.
     """
+    try:
+        return _init(rank, world_size, master_addr, master_port, transport, timeout)
+    except CommError:
+        raise
+    except OSError as e:   # no descriptors, no memory, no route: a CommError like the rest
+        raise from_os_error(e, rank=rank, op="init") from None
+
+
+def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Communicator:
     try:
         config.check_environment()
     except InvalidArgument as e:

@@ -194,8 +194,9 @@ def bind_address() -> str | None:
 
 def listen_address(master_addr: str) -> str:
     """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_IFNAME when set, else
-    the local address our route to MASTER_ADDR starts from (a UDP connect sends nothing), so
-    MASTER_ADDR=127.0.0.1 keeps the store on loopback. A host name other than localhost that
+    MASTER_ADDR itself when it is an address of this host (so MASTER_ADDR=127.0.0.1 keeps the
+    store on loopback), else the local address our route to it starts from (a UDP connect
+    sends nothing). A host name other than localhost that
     resolves to loopback here (Debian maps the host's own name to 127.0.1.1) may resolve to a
     real address on the other hosts: then every interface, as before."""
     explicit = bind_address()
@@ -210,6 +211,12 @@ def listen_address(master_addr: str) -> str:
         return "0.0.0.0"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
+            s.bind((resolved, 0))
+            return resolved        # an address of this host: exactly there
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:                       # not ours (a NAT or service address): where the route leaves
             s.connect((resolved, 9))
             return s.getsockname()[0]
         except OSError as e:

@@ -16,6 +16,7 @@ descriptors pauses the accept loop instead of ending it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import socket
@@ -37,7 +38,7 @@ MAX_TOTAL = 64 << 20                  # all keys and values together
 _ENTRY_COST = 64                      # bookkeeping charged per key against MAX_TOTAL
 JOIN_DEADLINE = 10.0                  # seconds a new connection has to pass the handshake and join
 MAX_STRANGERS = 64                    # connections not yet joined, beyond one per missing rank
-LINGER = 5.0                          # seconds a host that saw a disagreement waits to tell late ranks
+LINGER = 3.0                          # seconds a host that saw a disagreement waits to tell late ranks
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -84,7 +85,8 @@ class StoreServer:
         self._told: set[int] = set()             # ranks that sent a join, accepted or not
         self._refused: list[str] = []            # recent handshake refusals, for the reports
         self._strangers = 0                      # open connections not (yet) joined
-        self._socks: set[socket.socket] = set()
+        self._busy = 0                           # requests between their frame and their reply
+        self._socks: set[socket.socket] = set()    # connections not (yet) joined
         self._started = time.monotonic()
         threading.Thread(target=self._accept_loop, name="comm-store", daemon=True).start()
         interval = config.get("COMM_REPORT_INTERVAL")
@@ -147,11 +149,11 @@ class StoreServer:
             op, _, _, value = _recv_frame(sock)
             if op != _JOIN:
                 return
-            rank, error = self._join(value, addr)
+            with self._answering():
+                rank, error = self._join(value, addr, sock)
+                self._reply(sock, _MISMATCH if rank is None else _OK, error)
             if rank is None:
-                self._reply(sock, _MISMATCH, error)
                 return
-            self._reply(sock, _OK, "")
             # a rank may call split() hours later: its connection lives as long as it does
             sock.settimeout(None)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -159,12 +161,25 @@ class StoreServer:
                 op, key, timeout, value = _recv_frame(sock)
                 if op == _JOIN:
                     return
-                status, reply = self._apply(op, key, timeout, value)
-                self._reply(sock, status, reply)
+                with self._answering():
+                    status, reply = self._apply(op, key, timeout, value)
+                    self._reply(sock, status, reply)
         except (OSError, ConnectionError, UnicodeDecodeError):
             return   # a client that left or misbehaved: drop it, the store lives on
         finally:
             self._forget(sock, rank)
+
+    @contextlib.contextmanager
+    def _answering(self):
+        """Counts a request from its frame to its reply, so close() can let replies out."""
+        with self._cond:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
 
     @staticmethod
     def _reply(sock: socket.socket, status: int, reply: bytes | str) -> None:
@@ -172,7 +187,7 @@ class StoreServer:
         sock.sendall(_REPLY.pack(status, len(data)) + data)
 
     # ---- who is here, and do they agree ------------------------------------------------------
-    def _join(self, value: bytes, addr: str) -> tuple[int | None, str]:
+    def _join(self, value: bytes, addr: str, sock: socket.socket) -> tuple[int | None, str]:
         try:
             msg = json.loads(value)
             rank, size, agree = int(msg["rank"]), int(msg["size"]), dict(msg["agree"])
@@ -202,6 +217,7 @@ class StoreServer:
                 self._joined[rank] = addr
                 self._live.add(rank)
                 self._strangers -= 1
+                self._socks.discard(sock)   # served until the rank leaves, even after close()
                 self._cond.notify_all()
                 log.debug(0, f"store: rank {rank} joined from {addr}")
                 return rank, ""
@@ -227,7 +243,7 @@ class StoreServer:
     def _note_refused(self, what: str) -> None:
         with self._cond:
             self._refused = (self._refused + [what])[-4:]
-        log.debug(0, f"store: refused a connection from {what}")
+        log.debug(0, f"store: dropped a connection from {what}")
 
     def _waiting(self) -> str:
         """With the lock held: which ranks are missing and where the others came from."""
@@ -239,7 +255,7 @@ class StoreServer:
         text = (f"ranks {_ranks(missing)} of {self._size} have not joined the rendezvous at "
                 f"{self._where} (joined: {came})")
         if self._refused:
-            text += f"; refused connections from {', '.join(self._refused)}"
+            text += f"; dropped connections from {', '.join(self._refused)}"
         return text
 
     def _report_loop(self, interval: float) -> None:
@@ -282,16 +298,33 @@ class StoreServer:
                 return _MISMATCH, self._failure.encode()
             if key in self._data:
                 return _OK, self._data[key]
-            return _TIMEOUT, (self._waiting() if len(self._joined) < self._size else "").encode()
+            why = self._waiting() if len(self._joined) < self._size else ""
+            if self._closed:
+                why = "rank 0 closed the rendezvous store" + (f"; {why}" if why else "")
+            return _TIMEOUT, why.encode()
 
     def close(self) -> None:
         with self._cond:
-            if self._failure is not None and not self._closed:
-                # ranks still on their way would otherwise find no store and wait out their timeout
-                self._cond.wait_for(lambda: len(self._told) >= self._size, min(LINGER, self._timeout))
+            linger = self._failure is not None and not self._closed and len(self._told) < self._size
+        if linger:
+            # ranks still on their way would find no store and wait out their timeout: keep
+            # answering them for a moment (the caller's error is not held up; the process's
+            # exit waits for this thread)
+            threading.Thread(target=self._shut, args=(min(LINGER, self._timeout),),
+                             name="comm-store-linger").start()
+        else:
+            self._shut(0.0)
+
+    def _shut(self, linger: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: len(self._told) >= self._size, linger)
             self._closed = True
             self._cond.notify_all()
+            # the waiters just woken owe their ranks an answer: let them send it before this
+            # process (likely about to exit) takes their connections down
+            self._cond.wait_for(lambda: self._busy == 0, 1.0)
             socks = list(self._socks)
+        # ranks' connections stay: one may still be reading its last reply
         for s in [self._listener] + socks:
             try:
                 s.shutdown(socket.SHUT_RDWR)   # wakes the thread blocked on it
