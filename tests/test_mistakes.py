@@ -98,6 +98,13 @@ def test_secret_missing_on_a_client():
     assert "dropped connections from 127.0.0.1 (no COMM_SECRET)" in err0, err0
 
 
+@needs_native
+@pytest.mark.skipif(base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}")
+def test_transport_disagreement_fails_every_rank_fast():
+    results = launch([{"RANK": "0", "WORLD_SIZE": "2"}, {"RANK": "1", "WORLD_SIZE": "2", "COMM_TRANSPORT": "ucx"}])
+    _failed_fast(results, "ranks disagree on the transport: rank 0 has 'native', rank 1 (from 127.0.0.1) has 'ucx'")
+
+
 def test_transport_disagreement_answers_everyone():
     port = free_port()
     host = Store.host_or_connect("127.0.0.1", port, rank=0, size=3, timeout=20, secret=None,
