@@ -136,16 +136,16 @@ class StoreServer:
         rank = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            deadline = min(JOIN_DEADLINE, self._timeout)
+            deadline = time.monotonic() + min(JOIN_DEADLINE, self._timeout)   # handshake and join
             try:
-                auth.server_handshake(sock, self._secret, deadline)
+                auth.server_handshake(sock, self._secret, deadline - time.monotonic())
             except auth.SecretMismatch:
                 self._secret_mismatch(addr)
                 return
             except auth.HandshakeError as e:
                 self._note_refused(f"{addr} ({e})")
                 return
-            sock.settimeout(deadline)
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
             op, _, _, value = _recv_frame(sock)
             if op != _JOIN:
                 return
@@ -191,10 +191,11 @@ class StoreServer:
         try:
             msg = json.loads(value)
             rank, size, agree = int(msg["rank"]), int(msg["size"]), dict(msg["agree"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError):
             raise ConnectionError("malformed join") from None
         with self._cond:
-            self._told.add(rank)
+            if 0 <= rank < self._size:
+                self._told.add(rank)
             self._cond.notify_all()
             if self._failure is not None:
                 return None, self._failure
