@@ -241,7 +241,7 @@ class NativeTransport(Transport):
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         if work is None:
-            if self._debug and desc.kind < OpKind.SEND:   # collectives: the engine chose an algorithm
+            if self._debug and desc.kind not in (OpKind.SEND, OpKind.RECV):   # the engine chose an algorithm
                 log.algorithm(self.rank, self._ctx.group_name, desc.kind.label, self._engine.last_algorithm)
             return DONE
         return NativeRequest(work, self.rank, desc.kind.label, (send, recv))
