@@ -59,8 +59,7 @@ class Torchrun(Launcher):
 
     @staticmethod
     def detect(env):
-        # either one: RANK without WORLD_SIZE is a mistake init reports, not a world of one
-        return "RANK" in env or "WORLD_SIZE" in env
+        return "RANK" in env and "WORLD_SIZE" in env
 
     @staticmethod
     def placement(env):
@@ -135,6 +134,8 @@ def detect(env: dict | None = None) -> Placement:
     for launcher in LAUNCHERS:
         if launcher.detect(env):
             return launcher.placement(env)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return Torchrun.placement(env)   # half of the pair: init says which one is missing
     return Placement(*(None,) * 2, None, *_master(env))
 
 
@@ -196,9 +197,9 @@ def listen_address(master_addr: str) -> str:
     """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_IFNAME when set, else
     MASTER_ADDR itself when it is an address of this host (so MASTER_ADDR=127.0.0.1 keeps the
     store on loopback), else the local address our route to it starts from (a UDP connect
-    sends nothing). A host name other than localhost that
-    resolves to loopback here (Debian maps the host's own name to 127.0.1.1) may resolve to a
-    real address on the other hosts: then every interface, as before."""
+    sends nothing). A host name other than localhost that resolves to loopback here (Debian
+    maps the host's own name to 127.0.1.1) may resolve to a real address on the other hosts:
+    then every interface."""
     explicit = bind_address()
     if explicit:
         return explicit

@@ -46,6 +46,15 @@ def test_torchrun_wins_over_slurm():
     assert p.launcher == "torchrun" and p.rank == 1
 
 
+def test_half_of_torchruns_pair():
+    """RANK alone is torchrun's placement with the size unknown (init refuses it); under
+    mpirun a stray WORLD_SIZE does not hide Open MPI's own variables."""
+    p = rendezvous.detect({"RANK": "1"})
+    assert (p.launcher, p.rank, p.size) == ("torchrun", 1, None)
+    p = rendezvous.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "8"})
+    assert (p.launcher, p.rank, p.size) == ("openmpi", 2, 4)
+
+
 def test_nothing_detected():
     p = rendezvous.detect({})
     assert p.rank is None and p.size is None
