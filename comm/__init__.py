@@ -9,13 +9,13 @@ from __future__ import annotations
 import datetime
 import os
 
-from . import config, rendezvous
+from . import config, log, rendezvous
 from .buffers import Buffer
 from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
 from .store import Store
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
-                     PeerFailure, TransportUnavailable)
+                     PeerFailure, TransportUnavailable, from_os_error)
 from .types import DType, PremulSum, ReduceOp, premul_sum
 from .work import Work
 
@@ -47,19 +47,8 @@ def _seconds(timeout) -> float:
     return float(timeout)
 
 
-def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
-         master_port: int | None = None, transport: str = "auto", timeout=None) -> Communicator:
-    """Join the job and return the world communicator.
-
-    Rank, world size and the rendezvous address come from the arguments, else from the
-    launcher's environment (torchrun, mpirun, Slurm). A process started by none of them and
-    given no arguments is a world of one. transport: "auto" (COMM_TRANSPORT, default native),
-    "native", "mpi", "ucx", "nccl" or "verbs". timeout: seconds or timedelta for every
-    operation (default COMM_TIMEOUT).
-    """
-    seconds = _seconds(timeout)
-    if not seconds > 0:
-        raise InvalidArgument(f"timeout must be positive, got {timeout!r}", op="init")
+def _placement(rank, world_size, master_addr, master_port) -> rendezvous.Placement:
+    """The launcher's placement with the explicit arguments laid over it, checked."""
     place = rendezvous.detect()
     if rank is not None:
         place.rank = rank
@@ -69,12 +58,49 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     place.master_port = master_port or place.master_port
     if place.rank is None and place.size is None:
         place.rank, place.size = 0, 1
-    if place.rank is None or place.size is None:
-        raise InvalidArgument(f"rank ({place.rank}) and world size ({place.size}) must both be known",
-                              op="init")
+    if place.size is None:
+        raise InvalidArgument(f"rank is {place.rank} but the world size is unknown: set WORLD_SIZE (as torchrun "
+                              "does) or pass world_size=", rank=place.rank, op="init")
+    if place.rank is None:
+        raise InvalidArgument(f"the world size is {place.size} but this process's rank is unknown: set RANK "
+                              "(as torchrun does) or pass rank=", op="init")
     if not (isinstance(place.size, int) and place.size >= 1 and 0 <= place.rank < place.size):
         raise InvalidArgument(f"rank {place.rank} is not in a world of size {place.size}; check "
                               "RANK/WORLD_SIZE (or the launcher's variables)", rank=place.rank, op="init")
+    return place
+
+
+def init(rank: int | None = None, world_size: int | None = None, master_addr: str | None = None,
+         master_port: int | None = None, transport: str = "auto", timeout=None) -> Communicator:
+    """Join the job and return the world communicator.
+
+    Rank, world size and the rendezvous address come from the arguments, else from the
+    launcher's environment (torchrun, mpirun, Slurm). A process started by none of them and
+    given no arguments is a world of one. transport: "auto" (COMM_TRANSPORT, default native),
+    "native", "mpi", "ucx", "nccl" or "verbs". timeout: seconds or timedelta for every
+    operation (default COMM_TIMEOUT).
+
+    Ranks that disagree on the world size, the transport or whether COMM_SECRET is set fail
+    at once with an error naming the disagreement. While ranks are missing, rank 0 reports
+    every COMM_REPORT_INTERVAL seconds which ones, and where the others came from.
+    """
+    try:
+        return _init(rank, world_size, master_addr, master_port, transport, timeout)
+    except CommError:
+        raise
+    except OSError as e:   # no descriptors, no memory, no route: a CommError like the rest
+        raise from_os_error(e, rank=rank, op="init") from None
+
+
+def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Communicator:
+    try:
+        config.check_environment()
+    except InvalidArgument as e:
+        raise e.locate(rank, "init") from None
+    seconds = _seconds(timeout)
+    if not seconds > 0:
+        raise InvalidArgument(f"timeout must be positive, got {timeout!r}", op="init")
+    place = _placement(rank, world_size, master_addr, master_port)
     if place.launcher in ("openmpi", "hydra") and (place.master_addr is None or place.master_port is None):
         place = rendezvous.share_address_through_mpi(place)
     if place.size == 1:
@@ -88,14 +114,19 @@ def init(rank: int | None = None, world_size: int | None = None, master_addr: st
     secret = config.get("COMM_SECRET")
     if place.size == 1 and port == 0:
         port = rendezvous.free_port()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent already serves a torch TCPStore on MASTER_PORT: join it as a client
+    log.debug(place.rank, f"init: rank {place.rank} of {place.size} (launcher {place.launcher}), "
+                          f"transport {name}, rendezvous {addr}:{port}, timeout {seconds:g} s")
+    # torchrun's agent already serves a torch TCPStore on MASTER_PORT: join it as a client, unless
+    # the caller named the rendezvous itself (then it is ours to host, wherever torchrun's is)
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None
+            and master_port is None):
         from .torch_backend import TorchStore
+        log.debug(place.rank, "init: joining torchrun's agent store")
         store = TorchStore.connect(addr, port, place.rank, place.size, seconds)
     else:
         store = Store.host_or_connect(addr, port, rank=place.rank, size=place.size, timeout=seconds,
                                       secret=secret.encode() if secret else None,
-                                      bind_addr=rendezvous.bind_address())
+                                      agree={"transport": name})
     try:
         return connect(store.scoped("world"), name, "world", owned_store=store)
     except BaseException:

@@ -22,6 +22,15 @@ class HandshakeError(ConnectionError):
     """The peer does not speak this protocol or does not know the secret."""
 
 
+class SecretMismatch(HandshakeError):
+    """One side has COMM_SECRET set and the other has not."""
+
+
+class Unanswered(HandshakeError):
+    """The server closed the connection before greeting us (it was over its connection cap,
+    or going away): worth another try, unlike a refusal."""
+
+
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """Exactly n bytes, or ConnectionError if the peer closes first."""
     buf = bytearray()
@@ -42,7 +51,7 @@ def _check_hello(hello: bytes, secret: bytes | None, who: str) -> None:
         raise HandshakeError(f"{who} does not speak this protocol")
     if hello[-1:] != _hello(secret)[-1:]:
         mine = "set" if secret else "not set"
-        raise HandshakeError(f"{who} disagrees on COMM_SECRET (it is {mine} here): refused")
+        raise SecretMismatch(f"{who} disagrees on COMM_SECRET (it is {mine} here): refused")
 
 
 def _mac(secret: bytes, label: bytes, a: bytes, b: bytes) -> bytes:
@@ -91,7 +100,10 @@ def server_handshake(sock: socket.socket, secret: bytes | None, timeout: float) 
 def client_handshake(sock: socket.socket, secret: bytes | None, timeout: float) -> None:
     """Connecting side: proves the secret, then checks that the server knows it too."""
     with _bounded(sock, timeout):
-        hello = recv_exact(sock, len(MAGIC) + 1)
+        try:
+            hello = recv_exact(sock, len(MAGIC) + 1)
+        except ConnectionError as e:   # not socket.timeout: a server that never answers is not busy
+            raise Unanswered(f"the server closed the connection before greeting us ({e})") from None
         sock.sendall(_hello(secret))
         _check_hello(hello, secret, "server")
         if secret:

@@ -11,10 +11,10 @@ import itertools
 import operator
 import struct
 
-from . import auth, config, rendezvous
+from . import auth, config, log, rendezvous
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
-                     TransportUnavailable)
+                     TransportUnavailable, from_os_error)
 from .flight_recorder import FlightRecorder
 from .ops import DONE, BootstrapContext, OpDesc, OpKind
 from .types import DType, PremulSum, ReduceOp, op_allowed
@@ -348,7 +348,7 @@ class Communicator:
         tag = f"split{self._split_count}"
         entries = [struct.unpack("!qq", v) for v in self._ctx.store.all_gather(tag, struct.pack("!qq", color, key))]
         if color < 0:
-            self._transport.split(-1, key, None)
+            _set_up(self.rank, "split", self._transport.split, -1, key, None)
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
         ranks = tuple(r for _, r in members)
@@ -357,7 +357,7 @@ class Communicator:
         ctx = BootstrapContext(new_rank, len(ranks), store, self.timeout, self._ctx.host_id,
                                self._ctx.secret, self._ctx.bind_addr,
                                f"{self._ctx.group_name}.{tag}.c{color}", self._ctx.options)
-        transport = self._transport.split(color, key, ctx)
+        transport = _set_up(self.rank, "split", self._transport.split, color, key, ctx)
         return Communicator(transport, ctx, ranks=tuple(self.ranks[r] for r in ranks))
 
     def abort(self) -> None:
@@ -376,6 +376,17 @@ class Communicator:
             self._stager.close()
         if self._owned_store is not None:
             self._owned_store.close()
+
+
+def _set_up(rank: int, op: str, create, *args):
+    """create(*args), with the operating system's failures (no descriptors, no memory) turned
+    into CommErrors like every other failure of set-up."""
+    try:
+        return create(*args)
+    except CommError:
+        raise
+    except OSError as e:
+        raise from_os_error(e, rank=rank, op=op) from None
 
 
 def transport_class(name: str, rank: int | None = None):
@@ -402,4 +413,7 @@ def connect(store, transport: str, group_name: str = "world", *, ranks: tuple[in
     ctx = BootstrapContext(store.rank, store.size, store, store.timeout, rendezvous.host_id(),
                            secret.encode() if secret else None, rendezvous.bind_address(), group_name,
                            options or {})
-    return Communicator(cls.create(ctx), ctx, ranks=ranks, owned_store=owned_store)
+    log.debug(store.rank, f"{group_name}: connecting {store.size} ranks over transport {transport}")
+    world = Communicator(_set_up(store.rank, "init", cls.create, ctx), ctx, ranks=ranks, owned_store=owned_store)
+    log.debug(store.rank, f"{group_name}: connected")
+    return world

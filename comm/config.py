@@ -1,13 +1,19 @@
-"""Every COMM_* environment variable, declared once with its default and its meaning.
+"""Every COMM_* environment variable, declared once with its default, its meaning and what
+it accepts.
 
-Read them through `get(name)`; the README's table is generated from `VARIABLES` (see
-`python -m comm.config`).
+Read them through `get(name)`: a value that does not parse is an InvalidArgument naming the
+variable and what it accepts (never a silent fallback to the default). An empty value counts
+as unset. The README's table is generated from `VARIABLES` (see `python -m comm.config`).
 """
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 from dataclasses import dataclass
 from typing import Callable
+
+from .errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -15,36 +21,130 @@ class Variable:
     name: str
     default: str
     doc: str
-    parse: Callable[[str], object] = str
+    parse: Callable[[str], object] = str   # raises ValueError(what it accepts) on a bad value
 
 
 def _opt_str(s: str) -> str | None:
     return s or None
 
 
+def _one_of(*choices: str) -> Callable[[str], str]:
+    def parse(s: str) -> str:
+        if s not in choices:
+            raise ValueError(f"one of {', '.join(choices)}")
+        return s
+    return parse
+
+
+def _flag(s: str) -> bool:
+    if s not in ("0", "1"):
+        raise ValueError("0 or 1")
+    return s == "1"
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(s: str) -> int:
+        try:
+            value = int(s)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise ValueError(f"an integer >= {low}")
+        return value
+    return parse
+
+
+def _seconds(allow_zero: bool) -> Callable[[str], float]:
+    what = "a number of seconds >= 0" if allow_zero else "a positive number of seconds"
+
+    def parse(s: str) -> float:
+        try:
+            value = float(s)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and (value > 0 or allow_zero and value == 0)):
+            raise ValueError(f"{what}, e.g. 300 or 0.5 (no unit suffix)")
+        return value
+    return parse
+
+
+def _transport(s: str) -> str:
+    from transports import base   # lazily: the registry imports comm
+    if s not in base.names():
+        raise ValueError(f"one of {', '.join(base.names())}")
+    return s
+
+
+def algorithm_names() -> dict[str, list[str]]:
+    """The names COMM_ALGO may take, per transport that reads it."""
+    from .algorithms.dispatch import ALL_REDUCE_ALGOS
+    names = {"ucx, verbs": list(ALL_REDUCE_ALGOS)}
+    try:
+        from . import _native
+        names = {"native": list(_native.algorithm_names()), **names}
+    except ImportError:   # the engine is not built: its names cannot be chosen anyway
+        pass
+    return names
+
+
+def _algo(s: str) -> str:
+    names = algorithm_names()
+    if not any(s in group for group in names.values()):
+        listed = "; ".join(f"{t}: {', '.join(n)}" for t, n in names.items())
+        raise ValueError(f"an algorithm name ({listed}), or empty to choose by size")
+    return s
+
+
+def _ipv4(s: str) -> str:
+    try:
+        ipaddress.IPv4Address(s)
+    except ValueError:
+        raise ValueError("an IPv4 address of this host, e.g. 10.0.0.5") from None
+    return s
+
+
+def _ifname(s: str) -> str:
+    if len(s) > 15 or "/" in s or " " in s:
+        raise ValueError("a network interface name such as eth0 (at most 15 characters)")
+    return s
+
+
 VARIABLES: dict[str, Variable] = {v.name: v for v in [
-    Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs."),
-    Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", float),
-    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination (native); ring, rd, tree (ucx, verbs). Empty: choose by size and topology.", _opt_str),
-    Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only)."),
-    Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", int),
-    Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the native ring algorithms, in bytes.", int),
+    Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs.", _transport),
+    Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", _seconds(False)),
+    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination (native); ring, rd, tree (ucx, verbs). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
+    Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only).", _one_of("auto", "tcp")),
+    Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", _int_at_least(1)),
+    Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the native ring algorithms, in bytes.", _int_at_least(1)),
     Variable("COMM_SECRET", "", "Shared job secret: every connection proves it with an HMAC challenge. Empty: unauthenticated (a warning says so).", _opt_str),
-    Variable("COMM_BIND_ADDR", "", "Address to bind listening sockets to (default: the one that reaches the rendezvous).", _opt_str),
-    Variable("COMM_IFNAME", "", "Network interface to bind to (its IPv4 address is used), e.g. eth0.", _opt_str),
+    Variable("COMM_BIND_ADDR", "", "IPv4 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ipv4(s) if s else None),
+    Variable("COMM_IFNAME", "", "Network interface to bind to (its IPv4 address is used), e.g. eth0.", lambda s: _ifname(s) if s else None),
     Variable("COMM_FLIGHT_RECORDER", "", "File to which each rank appends its last operations when an operation fails; empty: stderr.", _opt_str),
     Variable("COMM_VERBS_DEVICE", "", "RDMA device (and port) for the verbs transport, e.g. mlx5_0 or mlx5_0:1. Empty: the first active port.", _opt_str),
-    Variable("COMM_VERBS_GID_INDEX", "-1", "GID table index for the verbs transport (RoCE needs one; RoCEv2 is often 3). -1: the first non-zero GID of the port.", int),
-    Variable("COMM_VERBS_HOP_LIMIT", "64", "IP hop limit (TTL) of the verbs transport's RoCE v2 / routed InfiniBand packets; 1 keeps them inside one subnet.", int),
-    Variable("COMM_MPI_BOUNDED", "1", "1: the mpi transport runs blocking operations as non-blocking ones polled against COMM_TIMEOUT, so a hung peer is an error, not a hang. 0: MPI's blocking calls (a few us faster; they cannot time out).", lambda s: s not in ("", "0")),
-    Variable("COMM_DEBUG", "0", "1: log connection set-up and algorithm choices to stderr.", lambda s: s not in ("", "0")),
+    Variable("COMM_VERBS_GID_INDEX", "-1", "GID table index for the verbs transport (RoCE needs one; RoCEv2 is often 3). -1: the first non-zero GID of the port.", _int_at_least(-1)),
+    Variable("COMM_VERBS_HOP_LIMIT", "64", "IP hop limit (TTL) of the verbs transport's RoCE v2 / routed InfiniBand packets; 1 keeps them inside one subnet.", _int_at_least(1)),
+    Variable("COMM_MPI_BOUNDED", "1", "1: the mpi transport runs blocking operations as non-blocking ones polled against COMM_TIMEOUT, so a hung peer is an error, not a hang. 0: MPI's blocking calls (a few us faster; they cannot time out).", _flag),
+    Variable("COMM_REPORT_INTERVAL", "10", "Seconds between rank 0's reports, while init waits, of the ranks that have not joined yet and where the others came from. 0: no reports.", _seconds(True)),
+    Variable("COMM_DEBUG", "0", "1: log set-up (rendezvous, transport, connections) and each algorithm's first use to stderr.", _flag),
 ]}
 
 
 def get(name: str):
     """The parsed value of a declared variable (environment, else its default)."""
     var = VARIABLES[name]
-    return var.parse(os.environ.get(name, var.default))
+    raw = os.environ.get(name) or var.default
+    try:
+        return var.parse(raw)
+    except ValueError as e:
+        raise InvalidArgument(f"{name}={raw!r} is not valid: expected {e}") from None
+
+
+def check_environment() -> None:
+    """Parse every COMM_* variable that is set, so a bad value fails init at once, whether or
+    not the chosen transport ever reads it."""
+    for name in VARIABLES:
+        if os.environ.get(name):
+            get(name)
 
 
 def markdown_table() -> str:

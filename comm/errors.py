@@ -1,6 +1,8 @@
 """The error hierarchy. Every error names the rank, the operation and the cause."""
 from __future__ import annotations
 
+import errno
+
 
 class CommError(RuntimeError):
     """Base of every error this library raises: ``[rank R] OP: cause``."""
@@ -33,6 +35,14 @@ def _rebuild(cls, cause, rank, op, state):
     err = cls(cause, rank=rank, op=op)   # every subclass takes these; extras come from state
     err.__dict__.update(state)
     return err
+
+
+def from_os_error(e: OSError, *, rank: int | None, op: str | None) -> CommError:
+    """A CommError for an operating-system failure (no sockets, no memory, no descriptors)."""
+    cause = e.strerror or str(e)
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        cause += ": raise the open-file limit (`ulimit -n`) or close files"
+    return CommError(cause, rank=rank, op=op)
 
 
 class InvalidArgument(CommError, ValueError):

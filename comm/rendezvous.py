@@ -134,6 +134,8 @@ def detect(env: dict | None = None) -> Placement:
     for launcher in LAUNCHERS:
         if launcher.detect(env):
             return launcher.placement(env)
+    if "RANK" in env or "WORLD_SIZE" in env:
+        return Torchrun.placement(env)   # half of the pair: init says which one is missing
     return Placement(*(None,) * 2, None, *_master(env))
 
 
@@ -189,6 +191,38 @@ def bind_address() -> str | None:
         return addr
     ifname = config.get("COMM_IFNAME")
     return interface_address(ifname) if ifname else None
+
+
+def listen_address(master_addr: str) -> str:
+    """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_IFNAME when set, else
+    MASTER_ADDR itself when it is an address of this host (so MASTER_ADDR=127.0.0.1 keeps the
+    store on loopback), else the local address our route to it starts from (a UDP connect
+    sends nothing). A host name other than localhost that resolves to loopback here (Debian
+    maps the host's own name to 127.0.1.1) may resolve to a real address on the other hosts:
+    then every interface."""
+    explicit = bind_address()
+    if explicit:
+        return explicit
+    try:
+        resolved = socket.gethostbyname(master_addr)
+    except OSError as e:
+        raise InvalidArgument(f"MASTER_ADDR {master_addr!r} does not resolve ({e})", op="init") from None
+    literal = resolved == master_addr or master_addr == "localhost"
+    if resolved.startswith("127.") and not literal:
+        return "0.0.0.0"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind((resolved, 0))
+            return resolved        # an address of this host: exactly there
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:                       # not ours (a NAT or service address): where the route leaves
+            s.connect((resolved, 9))
+            return s.getsockname()[0]
+        except OSError as e:
+            raise InvalidArgument(f"MASTER_ADDR {master_addr!r} is not reachable from here ({e.strerror})",
+                                  op="init") from None
 
 
 def host_id() -> str:

@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import comm
 from comm import config, rendezvous
-from harness import free_port as harness_port, mpirun, run_ranks
+from harness import ROOT, free_port as harness_port, mpirun, run_ranks
 from transports import base
 
 
@@ -42,6 +44,15 @@ def test_slurm(nodelist, first):
 def test_torchrun_wins_over_slurm():
     p = rendezvous.detect({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "RANK": "1", "WORLD_SIZE": "2"})
     assert p.launcher == "torchrun" and p.rank == 1
+
+
+def test_half_of_torchruns_pair():
+    """RANK alone is torchrun's placement with the size unknown (init refuses it); under
+    mpirun a stray WORLD_SIZE does not hide Open MPI's own variables."""
+    p = rendezvous.detect({"RANK": "1"})
+    assert (p.launcher, p.rank, p.size) == ("torchrun", 1, None)
+    p = rendezvous.detect({"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4", "WORLD_SIZE": "8"})
+    assert (p.launcher, p.rank, p.size) == ("openmpi", 2, 4)
 
 
 def test_nothing_detected():
@@ -89,8 +100,6 @@ world.close()
 def test_torchrun_agent_store(tmp_path):
     """Under torchrun the agent already serves MASTER_PORT: comm.init joins its store."""
     pytest.importorskip("torch")
-    import subprocess
-    import sys
     script = tmp_path / "job.py"
     script.write_text(TORCHRUN_JOB)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -99,6 +108,49 @@ def test_torchrun_agent_store(tmp_path):
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "rank 0 of 2: 3" in out.stdout and "rank 1 of 2: 3" in out.stdout, out.stdout
+
+
+def _torchrun(args: list[str], timeout: float = 150) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(harness_port())] + args,
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
+def test_bench_under_torchrun():
+    """bench/README.md's torchrun command, small: the bench's control channel joins torchrun's
+    store and each transport's init(master_port=...) hosts its own, so it runs and exits 0."""
+    pytest.importorskip("torch")
+    out = _torchrun(["-m", "bench", "all_gather", "reduce_scatter", "-b", "8", "-e", "1K", "-f", "4",
+                     "-n", "2", "-w", "1", "--transport", "native"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.strip() and not line.startswith(("#", "["))]
+    sizes = [int(r[0]) for r in rows if r[0].isdigit()]
+    assert sizes == [8, 32, 128, 512, 8, 32, 128, 512], out.stdout   # both collectives, every size
+    assert all(r[8] == "0" for r in rows), out.stdout                 # #wrong
+
+
+AGENT_STORE_JOB = """
+import sys, comm
+port = int(sys.argv[1])
+with comm.init(rank=0, world_size=1, master_port=port, timeout=10) as world:
+    print("served on", world._owned_store._sock.getpeername()[1], "type", type(world._owned_store).__name__)
+"""
+
+
+def test_explicit_port_wins_over_agent_store():
+    """Under torchrun's variables (agent store on MASTER_PORT, where nothing listens here),
+    init(master_port=P) hosts and joins its own store on P, at once."""
+    port = harness_port()
+    env = dict(os.environ, TORCHELASTIC_USE_AGENT_STORE="True", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(harness_port()), RANK="0", WORLD_SIZE="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", AGENT_STORE_JOB, str(port)], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip() == f"served on {port} type Store", out.stdout
 
 
 def test_bind_address_from_interface(monkeypatch):

@@ -21,14 +21,14 @@ SECRET = b"job-secret-for-tests"
 @pytest.fixture
 def store():
     port = free_port()
-    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=1, timeout=5, secret=SECRET)
+    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=2, timeout=5, secret=SECRET)
     yield s, port
     s.close()
 
 
 def test_right_secret_connects(store):
     s, port = store
-    other = Store("127.0.0.1", port, rank=0, size=1, timeout=5, secret=SECRET)
+    other = Store("127.0.0.1", port, rank=1, size=2, timeout=5, secret=SECRET)
     s.set("k", b"v")
     assert other.get("k") == b"v"
     other.close()
@@ -125,3 +125,32 @@ def test_unauthenticated_warning(capfd, monkeypatch):
     err = capfd.readouterr().err
     assert err.count("connections are unauthenticated") == 1
     assert "Set the same secret on every rank, e.g. export COMM_SECRET=" in err
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(st.binary(max_size=64),
+                      st.recursive(st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=8),
+                                   lambda inner: st.lists(inner, max_size=3)
+                                   | st.dictionaries(st.sampled_from(["rank", "size", "agree", "x"]), inner, max_size=4),
+                                   max_leaves=8).map(lambda v: __import__("json").dumps(v).encode())))
+def test_fuzzed_join_refused(body):
+    """Whatever a client claims in its join, the store answers or drops it; once every rank
+    has joined, a misfit is refused alone and the job's store keeps serving."""
+    from comm import store as store_mod
+    port = free_port()
+    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=1, timeout=5, secret=None)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            auth.client_handshake(sock, None, 5)
+            sock.settimeout(5)
+            try:
+                sock.sendall(struct.pack("!BIdI", store_mod._JOIN, 0, 1.0, len(body)) + body)
+                sock.shutdown(socket.SHUT_WR)
+                while sock.recv(4096):
+                    pass
+            except OSError:
+                pass
+        s.set("alive", b"1")
+        assert s.get("alive") == b"1"
+    finally:
+        s.close()

@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 
-from comm import auth, config
+from comm import auth, config, log
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, TransportUnavailable)
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
@@ -113,6 +113,7 @@ class NativeTransport(Transport):
     def __init__(self, ctx: BootstrapContext) -> None:
         self.rank, self.size = ctx.rank, ctx.size
         self._ctx = ctx
+        self._debug = log.enabled()
         try:
             self._engine = self._bootstrap(ctx)
         except _native.NativeError as e:
@@ -145,6 +146,9 @@ class NativeTransport(Transport):
             coll = [roles[k].detach() for k in sorted(roles) if k >= _FIRST_COLL]
             p2p = roles[_P2P].detach() if _P2P in roles else -1
             engine.add_peer(peer, roles[_MONITOR].detach(), coll, p2p)
+        log.debug(ctx.rank, f"{ctx.group_name}: native engine listening on {addr}; shared memory with ranks "
+                            f"{sorted(set(local) - {ctx.rank}) or 'none'}, TCP with ranks "
+                            f"{sorted(set(socks) - set(local)) or 'none'}")
         engine.start()
         return engine
 
@@ -303,6 +307,8 @@ class NativeTransport(Transport):
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         if work is None:
+            if self._debug and desc.kind not in (OpKind.SEND, OpKind.RECV):   # the engine chose an algorithm
+                log.algorithm(self.rank, self._ctx.group_name, desc.kind.label, self._engine.last_algorithm)
             return DONE
         return NativeRequest(work, self.rank, desc.kind.label, (send, recv))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from comm import log
 from comm.errors import InvalidArgument
 from comm.ops import OpDesc, OpKind
 
@@ -75,7 +76,10 @@ def run(desc: OpDesc, p2p: P2P, *, seq: int, timeout: float | None, chunk_bytes:
         dissemination_barrier(ex)
     elif kind is OpKind.ALL_REDUCE:
         red = Reduction(desc.op, desc.dtype, desc.scale, ex.size)
-        _ALL_REDUCE[choose_all_reduce(recv.nbytes, algo)](ex, red, send, recv, chunk)
+        name = choose_all_reduce(recv.nbytes, algo)
+        if log.enabled():
+            log.algorithm(ex.rank, "", kind.label, name)
+        _ALL_REDUCE[name](ex, red, send, recv, chunk)
     elif kind is OpKind.REDUCE_SCATTER:
         ring_reduce_scatter(ex, Reduction(desc.op, desc.dtype, desc.scale, ex.size), send, recv, chunk)
     elif kind is OpKind.ALL_GATHER:

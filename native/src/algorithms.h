@@ -2,6 +2,9 @@
 // family's file and add a row to the table in select.cc.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "comm.h"
 
 namespace comm {
@@ -40,5 +43,7 @@ struct Algorithm {
 // Every rank must choose the same one, so the choice depends only on the op's signature,
 // the group's topology and the environment.
 Algorithm choose_algorithm(const Comm& c, const Coll& op);
+// Every name choose_algorithm accepts (each once, in table order): what COMM_ALGO may say.
+std::vector<std::string> algorithm_names();
 
 }  // namespace comm

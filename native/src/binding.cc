@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include "algorithms.h"
 #include "engine.h"
 #include "reduce.h"
 
@@ -32,6 +33,7 @@ NB_MODULE(_native, m) {
   m.attr("ERR_SYSTEM") = static_cast<int>(ErrorCode::SYSTEM);
   m.attr("ERR_INVALID_ARGUMENT") = static_cast<int>(ErrorCode::INVALID_ARGUMENT);
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
+  m.def("algorithm_names", &algorithm_names, "Every algorithm name COMM_ALGO may give the engine.");
   // The buffer protocol from C: ~10x cheaper than numpy's __array_interface__ dict, and
   // Python's per-call cost is what bounds small-message latency.
   m.def(

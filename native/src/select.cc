@@ -1,4 +1,5 @@
 // Which algorithm runs each collective. One table row per (algorithm, kind).
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms.h"
@@ -76,6 +77,13 @@ Algorithm choose_algorithm(const Comm& c, const Coll& op) {
   const Row* row = c.opt.algo.empty() ? nullptr : find(c.opt.algo.c_str(), c, op);
   if (!row) row = &automatic(c, op);
   return {row->name, row->run};
+}
+
+std::vector<std::string> algorithm_names() {
+  std::vector<std::string> names;
+  for (const Row& row : kTable)
+    if (std::find(names.begin(), names.end(), row.name) == names.end()) names.emplace_back(row.name);
+  return names;
 }
 
 }  // namespace comm
