@@ -3,6 +3,7 @@
 #pragma once
 
 #include "comm.h"
+#include "op.h"
 
 namespace comm {
 
@@ -31,7 +32,6 @@ void cma_all_gather(Comm& c, const Coll& op);
 void cma_broadcast(Comm& c, const Coll& op);
 bool cma_fits(const Comm& c, const Coll& op);
 
-using AlgorithmFn = void (*)(Comm&, const Coll&);
 struct Algorithm {
   const char* name;
   AlgorithmFn run;
