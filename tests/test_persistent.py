@@ -264,3 +264,33 @@ def test_lean_path_errors(cluster):
         assert "BAND is not defined for float32" in errors[2] and "needs a factor" in errors[3], errors
         assert "read-only" in errors[-1], errors
 
+
+
+# ---- the benchmark's persistent form and decode preset ------------------------------------------
+
+def test_decode_preset_fills_only_flags_not_given():
+    from bench import cli
+    a = cli.parse_args(["decode"])
+    assert (a.minbytes, a.maxbytes, a.stepfactor, a.datatype) == (4096, 256 << 10, 2, DType.BFLOAT16)
+    assert a.transports == ["native", "mpi-raw", "gloo"]
+    b = cli.parse_args(["decode", "-e", "8K", "--transport=native", "-d", "float"])
+    assert (b.minbytes, b.maxbytes, b.datatype, b.transports) == (4096, 8192, DType.FLOAT32, ["native"])
+
+
+def test_bench_decode_persistent_checks_clean():
+    """Two ranks time and check the persistent all_reduce at decode sizes; mpi-raw (under
+    mpirun, where there is one) runs float32 of the same bytes and checks clean too."""
+    import subprocess
+    import sys
+    from harness import ROOT
+    env = dict(os.environ, PYTHONPATH=ROOT, COMM_TIMEOUT="60")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-m", "bench", "--np", "2", "decode", "--persistent", "-e", "8K",
+                        "--transport", "native,mpi-raw", "-n", "3", "-w", "1", "--time-budget", "0.05"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith(" ") and len(line.split()) == 13]
+    assert {r[0] for r in rows} == {"4096", "8192"}, p.stdout
+    assert all(r[8] == "0" and r[12] == "0" for r in rows), p.stdout
+    assert "# Comparison: decode bfloat16 sum" in p.stdout or "mpi-raw: skipped" in p.stdout, p.stdout

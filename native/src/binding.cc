@@ -66,11 +66,67 @@ bool dtype_of(const Py_buffer& v, DType* out) {
   return true;
 }
 
-// A plain numpy array usable as-is: exactly numpy.ndarray, C-contiguous, a supported dtype,
-// writable when it will be written.
-bool plain_array(PyObject* obj, const View& view, DType* dtype) {
-  return Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_ndarray) && view.ok &&
-         view.contiguous() && dtype_of(view.v, dtype);
+// torch, when the program has loaded it (never imported from here): its Tensor type and
+// dtype objects in engine dtype order, read through Python attributes.
+struct Torch {
+  PyObject* tensor = nullptr;
+  std::array<PyObject*, static_cast<size_t>(DType::COUNT)> dtypes{};
+};
+Torch g_torch;
+
+bool torch_loaded() {
+  if (g_torch.tensor) return true;
+  nb::handle mod(PyImport_GetModule(nb::str("torch").ptr()));  // new reference, or null
+  if (!mod.ptr()) {
+    PyErr_Clear();
+    return false;
+  }
+  nb::object owned = nb::steal(mod);
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                "int16", "int32", "int64", "uint8", "bool"};
+  Torch t;
+  if (!nb::hasattr(owned, "Tensor")) return false;  // still being imported
+  for (size_t i = 0; i < t.dtypes.size(); i++) {
+    if (!nb::hasattr(owned, names[i])) return false;
+    t.dtypes[i] = nb::object(owned.attr(names[i])).release().ptr();
+  }
+  t.tensor = nb::object(owned.attr("Tensor")).release().ptr();
+  g_torch = t;
+  return true;
+}
+
+// Where a plain array's elements are.
+struct Array {
+  uintptr_t ptr;
+  uint64_t bytes;
+  DType dtype;
+};
+
+// A plain array usable as-is: exactly numpy.ndarray (C-contiguous, a supported dtype,
+// writable when it will be written; read through the buffer protocol) or exactly a
+// contiguous CPU torch.Tensor. False for anything else, with no Python error set.
+bool plain_array(PyObject* obj, bool writable, Array* out) {
+  if (Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_ndarray)) {
+    View view(obj, writable);
+    if (!view.ok || !view.contiguous() || !dtype_of(view.v, &out->dtype)) return false;
+    out->ptr = reinterpret_cast<uintptr_t>(view.v.buf);
+    out->bytes = static_cast<uint64_t>(view.v.len);
+    return true;  // the caller holds obj for the whole call: the memory stays
+  }
+  if (!torch_loaded() || Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(g_torch.tensor)) return false;
+  try {
+    nb::handle t(obj);
+    if (!nb::cast<bool>(t.attr("is_cpu"))) return false;
+    nb::object dtype = t.attr("dtype");
+    size_t i = 0;
+    while (i < g_torch.dtypes.size() && g_torch.dtypes[i] != dtype.ptr()) i++;
+    if (i == g_torch.dtypes.size() || !nb::cast<bool>(t.attr("is_contiguous")())) return false;
+    *out = Array{nb::cast<uintptr_t>(t.attr("data_ptr")()), nb::cast<uint64_t>(t.attr("nbytes")),
+                 static_cast<DType>(i)};
+    return true;
+  } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
+    return false;
+  }
 }
 
 // Post on the caller's thread; an op queued behind async work is waited for here.
@@ -80,7 +136,7 @@ void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
 }
 
 // The lean path of the common call: all_reduce (in place or into `out`) or broadcast of one
-// plain numpy array, checked here from the buffer protocol and posted in one native call.
+// plain array, checked here and posted in one native call.
 // Returns false, having touched nothing, for anything else: the caller then takes the full
 // path, whose checks name the problem.
 bool run_array(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
@@ -96,25 +152,18 @@ bool run_array(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
     return false;
   }
   const bool in_place = out.is_none();
-  View send(x.ptr(), in_place);
-  DType dtype;
-  if (!plain_array(x.ptr(), send, &dtype)) return false;
-  const auto bytes = static_cast<uint64_t>(send.v.len);
-  OpArgs args{k, dtype, ReduceOp::SUM, 1.0, reinterpret_cast<uintptr_t>(send.v.buf), bytes,
-              reinterpret_cast<uintptr_t>(send.v.buf), bytes, bytes / itemsize(dtype), 0, -1, 0, {}, {}};
+  Array send, recv;
+  if (!plain_array(x.ptr(), in_place, &send)) return false;
+  recv = send;
+  if (!in_place && (!plain_array(out.ptr(), true, &recv) || recv.dtype != send.dtype || recv.bytes != send.bytes))
+    return false;
+  OpArgs args{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
+              send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
   if (k == OpKind::ALL_REDUCE) {
     if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
-        !g_reducible[op][static_cast<size_t>(dtype)])
+        !g_reducible[op][static_cast<size_t>(send.dtype)])
       return false;
     args.op = static_cast<ReduceOp>(op);
-    if (!in_place) {
-      View recv(out.ptr(), true);
-      DType rtype;
-      if (!plain_array(out.ptr(), recv, &rtype) || rtype != dtype || recv.v.len != send.v.len) return false;
-      args.recv = reinterpret_cast<uintptr_t>(recv.v.buf);
-      post_and_wait(e, std::move(args), timeout_s);  // recv is released after the op
-      return true;
-    }
   } else {
     if (!in_place || root < 0 || root >= e.size()) return false;
     args.root = static_cast<int>(root);
@@ -281,7 +330,7 @@ NB_MODULE(_native, m) {
       .def("run_array", &run_array, nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("timeout_s"),
            "The lean path: True when it ran the collective, False when the arguments are "
-           "not plain numpy arrays with a built-in op (take the full path).")
+           "not plain numpy arrays or CPU tensors with a built-in op (take the full path).")
       .def(
           "prepare",
           [](nb::handle self, int kind, int dtype, int op, double scale, uintptr_t send,
