@@ -105,13 +105,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mpirun", action="store_true", help="self-launch plain processes even for mpi-raw")
     p.add_argument("--time-budget", type=float, default=0.25,
                    help="seconds of timed iterations per size and mode before -n is cut (0.25; 0: never cut)")
+    p.add_argument("--persistent", action="store_true",
+                   help="time this library's persistent form (all_reduce_init ...: set up once, run each "
+                        "iteration) instead of the one-shot calls")
     return p
+
+
+# Presets: a benchmark name that also sets the flags the user did not give.
+PRESETS = {"decode": {"minbytes": ("-b", "4K"), "maxbytes": ("-e", "256K"), "stepfactor": ("-f", "2"),
+                      "datatype": ("-d", "bfloat16"), "transport": ("--transport", "native,mpi-raw,gloo")}}
+
+
+def _apply_presets(args, argv: list[str]) -> None:
+    given = {a.split("=")[0] for a in argv}
+    parser = build_parser()
+    for name in args.benchmarks:
+        for dest, (flag, value) in PRESETS.get(name, {}).items():
+            if not {flag, "--" + dest} & given:
+                setattr(args, dest, parser.parse_args([flag, value]).__dict__[dest])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked before anything starts: a mistake exits 2 with argparse's usage line."""
     p = build_parser()
     args = p.parse_args(argv)
+    _apply_presets(args, list(sys.argv[1:] if argv is None else argv))
     args.transports = [t.strip() for t in (args.transport or config.get("COMM_TRANSPORT")).split(",") if t.strip()]
     known = base.names() + list(ANCHORS)
     unknown = [t for t in args.transports if t not in known]
@@ -198,7 +216,7 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
     rows, status, failed = [], [], []   # failed: why the exit status is 1
     dtypes = ALL_DTYPES if args.datatype == "all" else [args.datatype]
     for name in args.transports:
-        runner = make_runner(name)
+        runner = make_runner(name, args.persistent)
         reasons = ctl.gather(runner.unavailable(world.launcher))
         reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
                        for r, x in enumerate(reasons) if x), None)

@@ -134,6 +134,44 @@ class CommRunner(Runner):
         self.world.barrier()
 
 
+class PersistentCommRunner(CommRunner):
+    """This library's persistent collectives (--persistent): each case's handle is set up on its
+    first call (a case keeps its buffers, so new buffers mean a new case), then run."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self._bufs, self._h = (None, None), None
+
+    def _run(self, send, recv, make) -> None:
+        if self._bufs[0] is not send or self._bufs[1] is not recv:
+            if self._h is not None:
+                self._h.close()
+            self._h, self._bufs = make(), (send, recv)
+        self._h()
+
+    def teardown(self):
+        if self._h is not None:
+            self._h.close()
+            self._h, self._bufs = None, (None, None)
+        super().teardown()
+
+    def all_reduce(self, send, recv, op, scale, in_place):
+        self._run(send, recv, lambda: self.world.all_reduce_init(send, op, out=None if in_place else recv,
+                                                                 scale=scale))
+
+    def reduce_scatter(self, send, recv, op, scale):
+        self._run(send, recv, lambda: self.world.reduce_scatter_init(recv, send, op, scale=scale))
+
+    def all_gather(self, send, recv, in_place):
+        self._run(send, recv, lambda: self.world.all_gather_init(recv, send))
+
+    def broadcast(self, buf, root):
+        self._run(buf, buf, lambda: self.world.broadcast_init(buf, root))
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        self._run(send, recv, lambda: self.world.all_to_all_init(recv, send, recv_counts, send_counts))
+
+
 class GlooRunner(Runner):
     """Anchor: torch.distributed's gloo backend (in-place collectives only, as torch has them)."""
 
@@ -288,9 +326,9 @@ def _displaced(counts) -> tuple[list[int], list[int]]:
     return list(counts), displs
 
 
-def make_runner(name: str) -> Runner:
+def make_runner(name: str, persistent: bool = False) -> Runner:
     if name == "gloo":
         return GlooRunner()
     if name == "mpi-raw":
         return MpiRawRunner()
-    return CommRunner(name)
+    return PersistentCommRunner(name) if persistent else CommRunner(name)

@@ -1,6 +1,9 @@
 """Communicator: validates every argument, builds one OpDesc, posts it to the transport.
 
-Nothing here knows a transport's details. Bad input is refused on the caller's rank with
+The common call (a blocking all_reduce or broadcast of one plain array with a built-in op)
+first tries the transport's lean path, where it has one: a single native call that checks
+the array itself and builds no Python objects; anything it does not take comes back here
+for the full checks. Nothing here knows a transport's details. Bad input is refused on the caller's rank with
 InvalidArgument before anything is sent, and the communicator stays usable afterwards; a
 transport failure (dead peer, timeout, mismatch, abort) poisons the communicator, so later
 calls fail at once with the original cause instead of hanging.
@@ -17,6 +20,7 @@ from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, P
                      TransportUnavailable, from_os_error)
 from .flight_recorder import FlightRecorder
 from .ops import DONE, BootstrapContext, OpDesc, OpKind
+from .persistent import Persistent
 from .types import DType, PremulSum, ReduceOp, op_allowed
 from .work import Work
 
@@ -25,6 +29,7 @@ SUM, PRODUCT, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, Redu
 # and the Python layer's cost is most of a small message's latency.
 _REDUCE_OPS = {op: op for op in ReduceOp}
 _ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
+_ALL_REDUCE, _BROADCAST = int(OpKind.ALL_REDUCE), int(OpKind.BROADCAST)  # plain ints: no enum lookups
 
 
 def _row_count(v) -> int:
@@ -50,8 +55,9 @@ class Communicator:
         self._split_count = 0
         self._failure: CommError | None = None
         self._closed = False
-        self._recorder = FlightRecorder(ctx.rank, ctx.group_name)
+        self._recorder = FlightRecorder(ctx.rank, ctx.group_name, getattr(transport, "recent_ops", None))
         self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport
+        self._lean = transport.run_array  # None: every call takes the full path
 
     def __repr__(self) -> str:
         return f"<comm.Communicator rank {self.rank} of {self.size} on {self.transport} ({self._ctx.group_name})>"
@@ -129,20 +135,23 @@ class Communicator:
             raise self._error(op, f"{what} has {got} elements, expected {want}")
 
     # ---- posting -----------------------------------------------------------------------------
-    def _post(self, desc: OpDesc, async_op: bool):
+    def _post(self, desc: OpDesc, async_op: bool, via=None):
+        """Post desc to the transport (or to `via`, a persistent op prepared from it)."""
         if self._failure is not None or self._closed:
             self._refuse(desc.kind.label)
         desc.seq = self._next_seq()
         entry = self._recorder.posted(desc)
         try:
-            if self._stager is not None and self._stager.involves(desc):
+            if via is not None:
+                req = via.post(desc, not async_op)
+            elif self._stager is not None and self._stager.involves(desc):
                 req = self._stager.post(desc, not async_op)
             else:
                 req = self._transport.post(desc, not async_op)
             if not async_op and req is not DONE:
                 req.wait(self.timeout)
         except CommError as e:
-            raise self._failed_op(desc, e, entry) from None
+            raise self._failed_op(desc.kind.label, e, entry) from None
         if async_op:
             return Work(self, req, desc, entry)
         entry[5] = "done"
@@ -154,9 +163,18 @@ class Communicator:
         raise Aborted(f"the communicator failed earlier and takes no more work ({self._failure.cause}); "
                       "create a new one", rank=self.rank, op=op)
 
-    def _failed_op(self, desc: OpDesc | None, err: CommError, entry=None) -> CommError:
+    def _lean_failed(self, op: str, e: Exception) -> CommError:
+        """The CommError for an exception of the transport's lean path or a persistent run."""
+        if self._failure is not None or self._closed:  # failed or closed meanwhile (abort)
+            try:
+                self._refuse(op)
+            except CommError as refused:
+                return refused
+        return self._failed_op(op, self._transport.error(e))
+
+    def _failed_op(self, op: str | None, err: CommError, entry=None) -> CommError:
         """Give `err` this rank and op, poison the communicator, dump the flight recorder."""
-        err.locate(self.rank, desc.kind.label if desc is not None else None)
+        err.locate(self.rank, op)
         if not isinstance(err, InvalidArgument):
             if self._failure is None:
                 self._failure = err
@@ -169,6 +187,21 @@ class Communicator:
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
         """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
+        lean = self._lean
+        if (lean is not None and scale is None and not async_op and self._failure is None
+                and not self._closed):
+            try:
+                if lean(_ALL_REDUCE, x, out, op, None, self.timeout):
+                    return None
+            except Exception as e:
+                raise self._lean_failed("all_reduce", e) from None
+        return self._post(self._all_reduce(x, op, out, scale), async_op)
+
+    def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
+        """A persistent all_reduce of x: checked once, then h() (or h.start(); h.wait()) runs it."""
+        return Persistent(self, self._all_reduce(x, op, out, scale))
+
+    def _all_reduce(self, x, op, out, scale) -> OpDesc:
         name = "all_reduce"
         send = self._buf(x, name, writable=out is None, what="input")
         recv = send
@@ -177,33 +210,61 @@ class Communicator:
             self._same_type(name, send, recv)
             self._count_match(name, recv.count, send.count, "output")
         rop, factor = self._reduce_op(name, op, send, scale)
-        return self._post(OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor), async_op)
+        return OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor)
 
     def reduce_scatter(self, out, x, op=SUM, *, scale: float | None = None, async_op: bool = False):
         """Reduce x (size * len(out) elements) over all ranks; rank r gets block r in `out`."""
+        return self._post(self._reduce_scatter(out, x, op, scale), async_op)
+
+    def reduce_scatter_init(self, out, x, op=SUM, *, scale: float | None = None) -> Persistent:
+        """A persistent reduce_scatter (see all_reduce_init)."""
+        return Persistent(self, self._reduce_scatter(out, x, op, scale))
+
+    def _reduce_scatter(self, out, x, op, scale) -> OpDesc:
         name = "reduce_scatter"
         send = self._buf(x, name, writable=False, what="input")
         recv = self._buf(out, name, writable=True, what="output")
         self._same_type(name, send, recv)
         self._count_match(name, send.count, recv.count * self.size, "input")
         rop, factor = self._reduce_op(name, op, send, scale)
-        return self._post(OpDesc(OpKind.REDUCE_SCATTER, send, recv, send.dtype, recv.count, rop, factor), async_op)
+        return OpDesc(OpKind.REDUCE_SCATTER, send, recv, send.dtype, recv.count, rop, factor)
 
     def all_gather(self, out, x, *, async_op: bool = False):
         """Concatenate every rank's x, in rank order, into `out` (size * len(x) elements)."""
+        return self._post(self._all_gather(out, x), async_op)
+
+    def all_gather_init(self, out, x) -> Persistent:
+        """A persistent all_gather (see all_reduce_init)."""
+        return Persistent(self, self._all_gather(out, x))
+
+    def _all_gather(self, out, x) -> OpDesc:
         name = "all_gather"
         send = self._buf(x, name, writable=False, what="input")
         recv = self._buf(out, name, writable=True, what="output")
         self._same_type(name, send, recv)
         self._count_match(name, recv.count, send.count * self.size, "output")
-        return self._post(OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count), async_op)
+        return OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count)
 
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Copy root's x into x on every rank."""
+        lean = self._lean
+        if lean is not None and not async_op and self._failure is None and not self._closed:
+            try:
+                if lean(_BROADCAST, x, None, 0, root, self.timeout):
+                    return None
+            except Exception as e:
+                raise self._lean_failed("broadcast", e) from None
+        return self._post(self._broadcast(x, root), async_op)
+
+    def broadcast_init(self, x, root: int = 0) -> Persistent:
+        """A persistent broadcast (see all_reduce_init)."""
+        return Persistent(self, self._broadcast(x, root))
+
+    def _broadcast(self, x, root) -> OpDesc:
         name = "broadcast"
         buf = self._buf(x, name, writable=True, what="buffer")
         root = self._root(name, root)
-        return self._post(OpDesc(OpKind.BROADCAST, buf, buf, buf.dtype, buf.count, root=root), async_op)
+        return OpDesc(OpKind.BROADCAST, buf, buf, buf.dtype, buf.count, root=root)
 
     def reduce(self, x, root: int = 0, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
         """Reduce x over all ranks into root's x (or root's `out`); other ranks' buffers are untouched."""
@@ -268,6 +329,13 @@ class Communicator:
     def all_to_all(self, out, x, out_splits=None, in_splits=None, *, async_op: bool = False):
         """Rank r sends in_splits[j] rows of x to rank j and receives out_splits[j] rows from rank j,
         packed in rank order (torch's all_to_all_single). Without splits: equal blocks."""
+        return self._post(self._all_to_all(out, x, out_splits, in_splits), async_op)
+
+    def all_to_all_init(self, out, x, out_splits=None, in_splits=None) -> Persistent:
+        """A persistent all_to_all with these (fixed) splits (see all_reduce_init)."""
+        return Persistent(self, self._all_to_all(out, x, out_splits, in_splits))
+
+    def _all_to_all(self, out, x, out_splits, in_splits) -> OpDesc:
         name = "all_to_all"
         send = self._buf(x, name, writable=False, what="input")
         recv = self._buf(out, name, writable=True, what="output")
@@ -281,8 +349,8 @@ class Communicator:
         if send_counts[self.rank] != recv_counts[self.rank]:  # the block a rank keeps is copied
             raise self._error(name, f"in_splits[{self.rank}] and out_splits[{self.rank}] differ: "
                                     "the rows a rank sends itself must equal the rows it expects")
-        return self._post(OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,
-                                 send_counts=send_counts, recv_counts=recv_counts), async_op)
+        return OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,
+                      send_counts=send_counts, recv_counts=recv_counts)
 
     def barrier(self, *, async_op: bool = False):
         """Return once every rank has entered the barrier."""

@@ -2,6 +2,8 @@
 
 Each entry is (seq, op, dtype, count, root/peer, state, seconds since posted). Recording is one
 deque append per operation; the dump goes to COMM_FLIGHT_RECORDER (appended) or stderr.
+A transport with lean call paths that bypass this (the native engine's) keeps its own record
+and hands it over as `engine_ops`; the dump shows both.
 """
 from __future__ import annotations
 
@@ -10,17 +12,21 @@ import sys
 import time
 
 from . import config
+from .ops import OpKind
+from .types import DType
 
 DEPTH = 64
 
 
 class FlightRecorder:
-    __slots__ = ("_entries", "_rank", "_group")
+    __slots__ = ("_entries", "_rank", "_group", "_engine_ops")
 
-    def __init__(self, rank: int, group: str):
+    def __init__(self, rank: int, group: str, engine_ops=None):
         self._entries: collections.deque = collections.deque(maxlen=DEPTH)
         self._rank = rank
         self._group = group
+        # () -> [(seq, kind, dtype, count, root, state, started)]: the transport's own record
+        self._engine_ops = engine_ops
 
     def posted(self, desc) -> list:
         """Record a posted op; the caller updates entry[5] (state). Names are formatted only
@@ -34,7 +40,16 @@ class FlightRecorder:
         now = time.monotonic()
         lines = [f"comm flight recorder: rank {self._rank} of group {self._group}: {reason}",
                  "  seq  op              dtype      count  root/peer  state      age(s)"]
-        for seq, op, dtype, count, who, state, t in self._entries:
+        entries = list(self._entries)
+        if self._engine_ops is not None:
+            entries.append(None)
+            entries += [(seq, OpKind(k), DType(d), count, root, state, t)
+                        for seq, k, d, count, root, state, t in self._engine_ops()]
+        for entry in entries:
+            if entry is None:
+                lines.append("  the engine's collectives (every call path, its own seq):")
+                continue
+            seq, op, dtype, count, who, state, t = entry
             lines.append(f"  {seq:<4} {op.name.lower():<15} {dtype.name.lower():<9} {count:>7}  {who:>9}  "
                          f"{state:<9} {now - t:8.3f}")
         text = "\n".join(lines) + "\n"

@@ -31,7 +31,7 @@ class Work:
             try:
                 self._req.wait(self._comm.timeout if timeout is None else timeout)
             except CommError as e:
-                self._finish(self._comm._failed_op(self._desc, e, self._entry))
+                self._finish(self._comm._failed_op(self._desc.kind.label, e, self._entry))
             else:
                 self._finish(None)
         if self._error is not None:
@@ -44,7 +44,7 @@ class Work:
                 if not self._req.test():
                     return False
             except CommError as e:
-                self._finish(self._comm._failed_op(self._desc, e, self._entry))
+                self._finish(self._comm._failed_op(self._desc.kind.label, e, self._entry))
                 return True
             self._finish(None)
         return True

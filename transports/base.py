@@ -41,6 +41,25 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post(self, desc: OpDesc, blocking: bool) -> Request: ...
 
+    # The lean path (optional): run_array(kind, x, out, op, root, timeout_s) runs one blocking
+    # all_reduce or broadcast in a single call and returns True, or returns False, having done
+    # nothing, when its arguments are not the plain case it checks for itself (the
+    # communicator then validates and posts as usual). Its exceptions go through error().
+    run_array = None
+
+    def prepare(self, desc: OpDesc):
+        """A persistent form of the validated `desc` (comm.persistent): an object with
+        post(desc, blocking) -> Request, and optionally run(timeout_s) (start + wait in one
+        call, exceptions through error()), that refuses buffers changed since. None: the
+        communicator re-checks the buffers and posts desc on each start (the default)."""
+        return None
+
+    def error(self, e: Exception) -> CommError:
+        """The CommError for an exception raised by run_array or a prepared op's run()."""
+        if isinstance(e, CommError):
+            return e
+        raise e
+
     def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "Transport | None":
         """A transport for the sub-group described by ctx (whose store is already scoped).
         Every rank of the parent calls it; ranks that join no group get ctx None (and return

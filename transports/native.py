@@ -25,6 +25,8 @@ import time
 from comm import auth, config, log
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, TransportUnavailable)
+from comm.persistent import held_buffers
+from comm.types import DType, ReduceOp, op_allowed
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
 
@@ -33,6 +35,8 @@ try:
 except ImportError as _e:  # the extension was not built
     _native = None
     _IMPORT_ERROR = str(_e)
+else:  # the lean path checks reductions against the same table as the communicator
+    _native.set_reducible([[op_allowed(op, dt) for dt in DType] for op in ReduceOp])
 
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
@@ -93,6 +97,24 @@ class NativeRequest(Request):
         return self._work.source
 
 
+class NativePrepared:
+    """A persistent collective of the engine (Engine.prepare): run(timeout_s) is start +
+    wait in one native call; post() is the non-blocking start."""
+
+    __slots__ = ("run", "_prepared", "_transport")
+
+    def __init__(self, prepared, transport: "NativeTransport") -> None:
+        self._prepared, self._transport = prepared, transport
+        self.run = prepared.run
+
+    def post(self, desc: OpDesc, blocking: bool) -> Request:
+        try:
+            work = self._prepared.post(blocking)
+        except Exception as e:
+            raise self._transport.error(e) from None
+        return DONE if work is None else NativeRequest(work, self._transport.rank, desc.kind.label, None)
+
+
 class NativeTransport(Transport):
     name = "native"
     devices = frozenset({"cpu"})
@@ -118,6 +140,8 @@ class NativeTransport(Transport):
             self._engine = self._bootstrap(ctx)
         except _native.NativeError as e:
             raise _convert(e, ctx.rank, "init") from None
+        self.run_array = self._engine.run_array
+        self.recent_ops = self._engine.recent_ops
 
     # ---- set-up ------------------------------------------------------------------------------
     def _bootstrap(self, ctx: BootstrapContext):
@@ -311,6 +335,27 @@ class NativeTransport(Transport):
                 log.algorithm(self.rank, self._ctx.group_name, desc.kind.label, self._engine.last_algorithm)
             return DONE
         return NativeRequest(work, self.rank, desc.kind.label, (send, recv))
+
+    def prepare(self, desc: OpDesc) -> NativePrepared:
+        held = [(obj, buf.ptr, buf.nbytes, written, what) for obj, buf, written, what in held_buffers(desc)]
+        send, recv = desc.send, desc.recv
+        try:
+            prepared = self._engine.prepare(desc.kind, desc.dtype, desc.op, desc.scale,
+                                            send.ptr if send is not None else 0,
+                                            send.nbytes if send is not None else 0,
+                                            recv.ptr if recv is not None else 0,
+                                            recv.nbytes if recv is not None else 0, desc.count,
+                                            desc.root, desc.send_counts or (), desc.recv_counts or (), held)
+        except _native.NativeError as e:
+            raise _convert(e, self.rank, desc.kind.label) from None
+        return NativePrepared(prepared, self)
+
+    def error(self, e: Exception) -> CommError:
+        if isinstance(e, _native.NativeError):
+            return _convert(e, self.rank, None)
+        if isinstance(e, _native.BufferChanged):
+            return InvalidArgument(str(e), rank=self.rank)
+        return super().error(e)
 
     @property
     def last_algorithm(self) -> str:

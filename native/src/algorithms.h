@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "comm.h"
+#include "op.h"
 
 namespace comm {
 
@@ -34,7 +35,6 @@ void cma_all_gather(Comm& c, const Coll& op);
 void cma_broadcast(Comm& c, const Coll& op);
 bool cma_fits(const Comm& c, const Coll& op);
 
-using AlgorithmFn = void (*)(Comm&, const Coll&);
 struct Algorithm {
   const char* name;
   AlgorithmFn run;

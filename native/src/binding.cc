@@ -4,7 +4,10 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
+
+#include <array>
 
 #include "algorithms.h"
 #include "engine.h"
@@ -12,6 +15,221 @@
 
 namespace nb = nanobind;
 using namespace comm;
+
+namespace {
+
+using release = nb::call_guard<nb::gil_scoped_release>;
+
+// Which reductions each dtype allows: comm.types.op_allowed's table, handed over once by
+// transports/native.py (one source of truth).
+std::array<std::array<bool, static_cast<size_t>(DType::COUNT)>, static_cast<size_t>(ReduceOp::COUNT)>
+    g_reducible{};
+PyObject* g_ndarray = nullptr;         // numpy.ndarray: the one type the lean path reads
+PyObject* g_buffer_changed = nullptr;  // _native.BufferChanged
+
+// A buffer-protocol view, released on scope exit; ok is false (and no Python error is set)
+// when the object refuses the request (e.g. writable asked of a read-only array).
+struct View {
+  Py_buffer v;
+  bool ok;
+  View(PyObject* obj, bool writable) {
+    ok = PyObject_GetBuffer(obj, &v, PyBUF_FORMAT | PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) == 0;
+    if (!ok) PyErr_Clear();
+  }
+  ~View() {
+    if (ok) PyBuffer_Release(&v);
+  }
+  View(const View&) = delete;
+  View& operator=(const View&) = delete;
+  bool contiguous() const { return PyBuffer_IsContiguous(&v, 'C') != 0; }
+};
+
+// numpy's format character of each engine dtype (bfloat16 never arrives through numpy).
+bool dtype_of(const Py_buffer& v, DType* out) {
+  const char* f = v.format ? v.format : "B";
+  if (*f == '<' || *f == '=' || *f == '@') f++;
+  if (f[0] == 0 || f[1] != 0) return false;
+  DType t;
+  switch (f[0]) {
+    case 'e': t = DType::F16; break;
+    case 'f': t = DType::F32; break;
+    case 'd': t = DType::F64; break;
+    case 'b': t = DType::I8; break;
+    case 'h': t = DType::I16; break;
+    case 'i': t = DType::I32; break;
+    case 'l': case 'q': t = DType::I64; break;
+    case 'B': t = DType::U8; break;
+    case '?': t = DType::BOOL; break;
+    default: return false;
+  }
+  if (static_cast<size_t>(v.itemsize) != itemsize(t)) return false;
+  *out = t;
+  return true;
+}
+
+// torch, when the program has loaded it (never imported from here): its Tensor type and
+// dtype objects in engine dtype order, read through Python attributes.
+struct Torch {
+  PyObject* tensor = nullptr;
+  std::array<PyObject*, static_cast<size_t>(DType::COUNT)> dtypes{};
+};
+Torch g_torch;
+
+bool torch_loaded() {
+  if (g_torch.tensor) return true;
+  nb::handle mod(PyImport_GetModule(nb::str("torch").ptr()));  // new reference, or null
+  if (!mod.ptr()) {
+    PyErr_Clear();
+    return false;
+  }
+  nb::object owned = nb::steal(mod);
+  static const char* names[] = {"float16", "bfloat16", "float32", "float64", "int8",
+                                "int16", "int32", "int64", "uint8", "bool"};
+  Torch t;
+  if (!nb::hasattr(owned, "Tensor")) return false;  // still being imported
+  for (size_t i = 0; i < t.dtypes.size(); i++) {
+    if (!nb::hasattr(owned, names[i])) return false;
+    t.dtypes[i] = nb::object(owned.attr(names[i])).release().ptr();
+  }
+  t.tensor = nb::object(owned.attr("Tensor")).release().ptr();
+  g_torch = t;
+  return true;
+}
+
+// Where a plain array's elements are.
+struct Array {
+  uintptr_t ptr;
+  uint64_t bytes;
+  DType dtype;
+};
+
+// A plain array usable as-is: exactly numpy.ndarray (C-contiguous, a supported dtype,
+// writable when it will be written; read through the buffer protocol) or exactly a
+// contiguous CPU torch.Tensor. False for anything else, with no Python error set.
+bool plain_array(PyObject* obj, bool writable, Array* out) {
+  if (Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_ndarray)) {
+    View view(obj, writable);
+    if (!view.ok || !view.contiguous() || !dtype_of(view.v, &out->dtype)) return false;
+    out->ptr = reinterpret_cast<uintptr_t>(view.v.buf);
+    out->bytes = static_cast<uint64_t>(view.v.len);
+    return true;  // the caller holds obj for the whole call: the memory stays
+  }
+  if (!torch_loaded() || Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(g_torch.tensor)) return false;
+  try {
+    nb::handle t(obj);
+    if (!nb::cast<bool>(t.attr("is_cpu"))) return false;
+    nb::object dtype = t.attr("dtype");
+    size_t i = 0;
+    while (i < g_torch.dtypes.size() && g_torch.dtypes[i] != dtype.ptr()) i++;
+    if (i == g_torch.dtypes.size() || !nb::cast<bool>(t.attr("is_contiguous")())) return false;
+    *out = Array{nb::cast<uintptr_t>(t.attr("data_ptr")()), nb::cast<uint64_t>(t.attr("nbytes")),
+                 static_cast<DType>(i)};
+    return true;
+  } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
+    return false;
+  }
+}
+
+// Post on the caller's thread; an op queued behind async work is waited for here.
+void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
+  nb::gil_scoped_release unlocked;
+  if (auto op = e.post(std::move(args), true)) op->wait(timeout_s);
+}
+
+// The lean path of the common call: all_reduce (in place or into `out`) or broadcast of one
+// plain array, checked here and posted in one native call.
+// Returns false, having touched nothing, for anything else: the caller then takes the full
+// path, whose checks name the problem.
+bool run_array(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
+               nb::handle root_obj, double timeout_s) {
+  const auto k = static_cast<OpKind>(kind);
+  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return false;
+  if (!PyLong_Check(op_obj.ptr()) || (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())))
+    return false;
+  const long op = PyLong_AsLong(op_obj.ptr());
+  const long root = root_obj.is_none() ? 0 : PyLong_AsLong(root_obj.ptr());
+  if (PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool in_place = out.is_none();
+  Array send, recv;
+  if (!plain_array(x.ptr(), in_place, &send)) return false;
+  recv = send;
+  if (!in_place && (!plain_array(out.ptr(), true, &recv) || recv.dtype != send.dtype || recv.bytes != send.bytes))
+    return false;
+  OpArgs args{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
+              send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
+  if (k == OpKind::ALL_REDUCE) {
+    if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
+        !g_reducible[op][static_cast<size_t>(send.dtype)])
+      return false;
+    args.op = static_cast<ReduceOp>(op);
+  } else {
+    if (!in_place || root < 0 || root >= e.size()) return false;
+    args.root = static_cast<int>(root);
+  }
+  post_and_wait(e, std::move(args), timeout_s);
+  return true;
+}
+
+// One buffer of a persistent collective, as registered at set-up.
+struct Held {
+  nb::object obj;  // keeps the array alive for as long as the handle lives
+  uintptr_t ptr;
+  size_t nbytes;
+  bool write;
+  std::string what;  // "input", "output", "buffer"
+};
+
+[[noreturn]] void changed(const Held& h, const char* how) {
+  PyErr_Format(g_buffer_changed, "the %s buffer %s since the persistent operation was set up; "
+               "set it up again with the current buffer", h.what.c_str(), how);
+  throw nb::python_error();
+}
+
+// The buffer must still be the memory registered at set-up: numpy through the buffer
+// protocol, torch tensors through data_ptr / nbytes (resize_, set_ and storage resizes move
+// or shrink them).
+void check_held(const Held& h) {
+  PyObject* obj = h.obj.ptr();
+  if (PyObject_CheckBuffer(obj)) {
+    View view(obj, h.write);
+    if (!view.ok) changed(h, h.write ? "is no longer writable" : "can no longer be read");
+    if (reinterpret_cast<uintptr_t>(view.v.buf) != h.ptr || static_cast<size_t>(view.v.len) != h.nbytes ||
+        !view.contiguous())
+      changed(h, "was resized, reallocated or freed");
+    return;
+  }
+  const auto ptr = nb::cast<uintptr_t>(h.obj.attr("data_ptr")());
+  const auto nbytes = nb::cast<size_t>(h.obj.attr("nbytes"));
+  if (ptr != h.ptr || nbytes != h.nbytes || !nb::cast<bool>(h.obj.attr("is_contiguous")()))
+    changed(h, "was resized, reallocated or freed");
+}
+
+// A persistent collective of the engine: arguments checked and the algorithm chosen once
+// (Engine::prepare); each start re-checks the buffers and posts.
+struct Prepared {
+  nb::object engine_obj;  // keeps the engine alive
+  Engine* engine;
+  OpArgs args;
+  std::vector<Held> held;
+
+  void check() const {
+    for (const Held& h : held) check_held(h);
+  }
+  void run(double timeout_s) {
+    check();
+    post_and_wait(*engine, args, timeout_s);
+  }
+  std::shared_ptr<Op> post(bool blocking) {
+    check();
+    nb::gil_scoped_release unlocked;
+    return engine->post(args, blocking);
+  }
+};
+
+}  // namespace
 
 NB_MODULE(_native, m) {
   static PyObject* native_error =
@@ -52,7 +270,23 @@ NB_MODULE(_native, m) {
       },
       "(address, readonly, C-contiguous) of a buffer-protocol object, or None.");
 
-  using release = nb::call_guard<nb::gil_scoped_release>;
+  g_buffer_changed = PyErr_NewException("comm._native.BufferChanged", PyExc_ValueError, nullptr);
+  m.attr("BufferChanged") = nb::handle(g_buffer_changed);
+  g_ndarray = nb::object(nb::module_::import_("numpy").attr("ndarray")).release().ptr();
+  m.def(
+      "set_reducible",
+      [](const std::vector<std::vector<bool>>& table) {
+        for (size_t op = 0; op < table.size() && op < g_reducible.size(); op++)
+          for (size_t t = 0; t < table[op].size() && t < g_reducible[op].size(); t++)
+            g_reducible[op][t] = table[op][t];
+      },
+      "Hand over comm.types.op_allowed as table[op][dtype] (the lean path checks with it).");
+
+  nb::class_<Prepared>(m, "Prepared")
+      .def("run", &Prepared::run, nb::arg("timeout_s"),
+           "Check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
+      .def("post", &Prepared::post, nb::arg("blocking"),
+           "Check the buffers and post; returns a Work, or None when it already ran.");
 
   nb::class_<Op>(m, "Work")
       .def("wait", &Op::wait, nb::arg("timeout_s"), release(),
@@ -98,6 +332,38 @@ NB_MODULE(_native, m) {
           "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
           "completion.")
+      .def("run_array", &run_array, nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
+           nb::arg("op").none(), nb::arg("root").none(), nb::arg("timeout_s"),
+           "The lean path: True when it ran the collective, False when the arguments are "
+           "not plain numpy arrays or CPU tensors with a built-in op (take the full path).")
+      .def(
+          "prepare",
+          [](nb::handle self, int kind, int dtype, int op, double scale, uintptr_t send,
+             uint64_t send_bytes, uintptr_t recv, uint64_t recv_bytes, uint64_t count, int root,
+             std::vector<uint64_t> send_counts, std::vector<uint64_t> recv_counts,
+             std::vector<std::tuple<nb::object, uintptr_t, size_t, bool, std::string>> held) {
+            Engine& e = nb::cast<Engine&>(self);
+            check_codes(kind, dtype, op);
+            OpArgs args{static_cast<OpKind>(kind), static_cast<DType>(dtype), static_cast<ReduceOp>(op),
+                        scale, send, send_bytes, recv, recv_bytes, count, root, -1, 0,
+                        std::move(send_counts), std::move(recv_counts)};
+            Prepared p{nb::borrow(self), &e, e.prepare(std::move(args)), {}};
+            for (auto& [obj, ptr, nbytes, write, what] : held)
+              p.held.push_back(Held{std::move(obj), ptr, nbytes, write, std::move(what)});
+            return p;
+          },
+          "A persistent collective, validated as post() validates; held: (array, ptr, nbytes,\n"
+          "written, name) per buffer, re-checked at each start.")
+      .def(
+          "recent_ops",
+          [](const Engine& e) {
+            std::vector<std::tuple<uint64_t, int, int, uint64_t, int, std::string, double>> out;
+            for (const RecentOp& r : e.recent_ops())
+              out.emplace_back(r.seq, static_cast<int>(r.kind), static_cast<int>(r.dtype), r.count,
+                               r.root, r.state, r.started);
+            return out;
+          },
+          "The engine's flight recorder: (seq, kind, dtype, count, root, state, started).")
       .def("abort", &Engine::abort, release())
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);

@@ -22,6 +22,7 @@ namespace comm {
 struct Backoff {
   int calls = 0;
   Clock::time_point start;
+  Clock::time_point checked;  // the last full liveness check (monitor sockets, deadline)
 };
 
 struct Options {
@@ -100,18 +101,24 @@ class Comm {
   void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr,
             const Deadline* dl = nullptr) {
     if (!dl) dl = &deadline;
-    if (b.calls++ == 0) b.start = Clock::now();
+    if (b.calls++ == 0) b.start = b.checked = Clock::now();
     if ((b.calls & 255) == 0) check_alive(*dl);
     if (b.calls < spin_calls_) {
       cpu_relax();
       return;
     }
-    const auto waited = Clock::now() - b.start;
-    if (waited < yield_for_) {
+    const auto now = Clock::now();
+    if (now - b.start < yield_for_) {
       sched_yield();
       return;
     }
-    check_alive(*dl);
+    // Before each sleep: abort at once; the monitor sockets and the deadline (a few
+    // syscalls) every kCheckEvery, since oversubscribed ranks sleep after every round.
+    if (aborted.load(std::memory_order_relaxed)) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+    if (now - b.checked >= kCheckEvery) {
+      check_alive(*dl);
+      b.checked = now;
+    }
     const int ms = dl->ms_left(kSleepSliceMs);
     if (fds && !fds->empty()) sleep_fds(*fds, ms);
     else if (shm) shm->sleep(ready, ms);
@@ -132,6 +139,7 @@ class Comm {
 
  private:
   static constexpr int kSleepSliceMs = 20;  // abort and peer death are noticed this fast
+  static constexpr auto kCheckEvery = std::chrono::milliseconds(2);
   static void cpu_relax() {
 #if defined(__x86_64__)
     __builtin_ia32_pause();

@@ -118,22 +118,57 @@ void Engine::progress_loop() {
   queue_.clear();
 }
 
+OpArgs Engine::prepare(OpArgs args) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  validate(args, comm_.rank, comm_.size);  // once here; every start is validated again by post()
+  if (comm_.size > 1 && args.kind != OpKind::SEND && args.kind != OpKind::RECV) {
+    const Algorithm algo = choose_algorithm(comm_, describe(args));
+    args.algo = algo.run;
+    args.algo_name = algo.name;
+  }
+  return args;
+}
+
+std::vector<RecentOp> Engine::recent_ops() const {
+  std::lock_guard<std::mutex> lock(recent_mu_);
+  std::vector<RecentOp> out;
+  for (uint64_t i = recorded_ > kRecent ? recorded_ - kRecent : 0; i < recorded_; i++)
+    out.push_back(recent_[i % kRecent]);
+  return out;
+}
+
 void Engine::execute(Op& op) {
   std::optional<CommError> error;
+  const auto now = Clock::now();
+  const uint64_t seq = ++comm_.coll_seq;
+  RecentOp* line;
+  {
+    std::lock_guard<std::mutex> lock(recent_mu_);
+    line = &recent_[recorded_++ % kRecent];
+    *line = RecentOp{seq, op.args.kind, op.args.dtype, op.args.count, op.args.root, "running",
+                     std::chrono::duration<double>(now.time_since_epoch()).count()};
+  }
   if (broken_) {
     error = *broken_;
   } else if (comm_.aborted.load()) {
     error = CommError(ErrorCode::ABORTED, -1, "the communicator was aborted");
   } else {
     try {
-      comm_.deadline.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                             std::chrono::duration<double>(comm_.opt.timeout_s));
-      run_collective(op.args);
+      comm_.deadline.at = now + std::chrono::duration_cast<Clock::duration>(
+                                    std::chrono::duration<double>(comm_.opt.timeout_s));
+      run_collective(op.args, seq);
     } catch (const CommError& e) {
       error = e;
       // The streams are now in an unknown state: the communicator cannot be trusted again.
       broken_ = CommError(e.code, e.peer, "an earlier operation failed: " + e.msg);
     }
+  }
+  {
+    // Only this thread writes the recorder (execute runs one op at a time), so the line
+    // is still this op's.
+    std::lock_guard<std::mutex> lock(recent_mu_);
+    line->state = error ? "failed" : "done";
   }
   op.finish(std::move(error));
 }
@@ -145,8 +180,7 @@ static void run_alone(const Coll& op) {
     std::memmove(op.recv, op.send, bytes);
 }
 
-void Engine::run_collective(const OpArgs& a) {
-  const int n = comm_.size;
+Coll Engine::describe(const OpArgs& a) const {
   Coll op{};
   op.kind = a.kind;
   op.dtype = a.dtype;
@@ -158,10 +192,16 @@ void Engine::run_collective(const OpArgs& a) {
   op.root = a.root;
   op.send_counts = &a.send_counts;
   op.recv_counts = &a.recv_counts;
-  op.seq = ++comm_.coll_seq;
   op.elem = itemsize(a.dtype);
   if (op.kind == OpKind::BROADCAST) op.send = op.recv;
   if (op.kind == OpKind::ALL_TO_ALL) op.count = 0;  // per-peer counts differ; lengths are checked
+  return op;
+}
+
+void Engine::run_collective(const OpArgs& a, uint64_t seq) {
+  const int n = comm_.size;
+  Coll op = describe(a);
+  op.seq = seq;
   // Elements each rank contributes to a reduction (its whole input).
   const size_t in_count = op.kind == OpKind::REDUCE_SCATTER ? n * op.count : op.count;
   const bool reduces = op.kind == OpKind::ALL_REDUCE || op.kind == OpKind::REDUCE_SCATTER ||
@@ -175,6 +215,9 @@ void Engine::run_collective(const OpArgs& a) {
   if (n == 1) {
     run_alone(op);
     last_algorithm_ = "local";
+  } else if (a.algo) {  // prepared: chosen once (the choice does not depend on pointers)
+    last_algorithm_ = a.algo_name;
+    a.algo(comm_, op);
   } else {
     const Algorithm algo = choose_algorithm(comm_, op);
     last_algorithm_ = algo.name;

@@ -4,6 +4,7 @@
 // queue: P2P progresses them independently (p2p.h).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <deque>
 #include <memory>
@@ -17,6 +18,17 @@
 #include "p2p.h"
 
 namespace comm {
+
+// One line of the engine's flight recorder: a collective it ran (or is running).
+struct RecentOp {
+  uint64_t seq;
+  OpKind kind;
+  DType dtype;
+  uint64_t count;
+  int root;
+  const char* state;  // "running", "done", "failed"
+  double started;     // steady clock seconds (CLOCK_MONOTONIC: Python's time.monotonic)
+};
 
 class Engine {
  public:
@@ -35,13 +47,21 @@ class Engine {
 
   // Returns null when the op ran to completion on this thread (errors are thrown).
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
+  // A collective posted many times with the same arguments (persistent collectives): the
+  // algorithm is chosen here, once; post the returned args.
+  OpArgs prepare(OpArgs args);
+  // The last collectives this engine ran, oldest first. Recorded here rather than in Python
+  // so the lean call paths cost nothing per call for it.
+  std::vector<RecentOp> recent_ops() const;
   void abort();
   void close();
   const char* last_algorithm() const { return last_algorithm_; }
+  int size() const { return comm_.size; }
 
  private:
   void execute(Op& op);
-  void run_collective(const OpArgs& a);
+  void run_collective(const OpArgs& a, uint64_t seq);
+  Coll describe(const OpArgs& a) const;
   void progress_loop();
 
   Comm comm_;
@@ -55,6 +75,10 @@ class Engine {
   std::optional<CommError> broken_;  // first failure: every later op fails with it
   std::thread thread_;
   const char* last_algorithm_ = "";
+  static constexpr size_t kRecent = 64;
+  mutable std::mutex recent_mu_;  // held briefly: the recorder is read when an op failed
+  std::array<RecentOp, kRecent> recent_{};
+  uint64_t recorded_ = 0;
 };
 
 }  // namespace comm

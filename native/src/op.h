@@ -13,6 +13,10 @@
 
 namespace comm {
 
+class Comm;
+struct Coll;
+using AlgorithmFn = void (*)(Comm&, const Coll&);
+
 struct OpArgs {
   OpKind kind;
   DType dtype;
@@ -28,6 +32,9 @@ struct OpArgs {
   int tag;
   std::vector<uint64_t> send_counts;
   std::vector<uint64_t> recv_counts;
+  // Set by Engine::prepare for a persistent collective: the algorithm chosen once.
+  AlgorithmFn algo = nullptr;
+  const char* algo_name = "";
 };
 
 // The engine's own guard, run before an operation touches memory: the op, dtype and kind

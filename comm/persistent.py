@@ -1,0 +1,135 @@
+"""Persistent collectives (MPI 4's MPI_Allreduce_init): set up once, started many times.
+
+    h = world.all_reduce_init(x, op=comm.SUM)   # arguments checked, algorithm chosen, once
+    for step in range(n):
+        ...write x...
+        h()                                     # start + wait; or h.start() ... h.wait()
+    h.close()
+
+Made by Communicator.all_reduce_init, all_gather_init, reduce_scatter_init, broadcast_init
+and all_to_all_init (fixed splits). Every rank must set up the same handles and start them
+in the same order, as for the one-shot calls. The handle holds its buffers; each start
+refuses, with InvalidArgument, a buffer that was resized, reallocated or freed since set-up
+(a torch tensor's resize_ or set_, numpy's resize): the operation would otherwise write
+memory that is no longer the caller's. The data in the buffers is read at each start.
+
+On the native engine a start is one native call (the blocking form runs on the caller's
+thread); other transports post the prepared descriptor on each start.
+"""
+from __future__ import annotations
+
+from .buffers import as_buffer
+from .errors import InvalidArgument
+from .ops import OpDesc, OpKind
+
+
+class Persistent:
+    """A prepared collective. start() posts it, wait(timeout=None) waits for it (raising the
+    operation's CommError, as Work.wait does), h() does both, close() releases the buffers.
+    One operation in flight per handle: wait() before the next start()."""
+
+    __slots__ = ("_comm", "_desc", "_label", "_prepared", "_run", "_work")
+
+    def __init__(self, comm, desc: OpDesc):
+        self._comm = comm
+        self._desc = desc
+        self._label = desc.kind.label
+        if comm._failure is not None or comm._closed:
+            comm._refuse(self._label + "_init")
+        staged = comm._stager is not None and comm._stager.involves(desc)  # CUDA data, CPU transport
+        prepared = None if staged else comm._transport.prepare(desc)
+        self._prepared = prepared if prepared is not None else _Reposted(comm, desc, staged)
+        self._run = getattr(prepared, "run", None)  # start + wait in one call, where there is one
+        self._work = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._desc is None else "started" if self._work is not None else "ready"
+        return f"<comm.Persistent {self._label} on rank {self._comm.rank} ({state})>"
+
+    def __call__(self) -> None:
+        """start() and wait(), on the caller's thread where the transport allows."""
+        c, run = self._comm, self._run
+        if run is not None and self._work is None and c._failure is None and not c._closed:
+            try:
+                run(c.timeout)
+                return
+            except Exception as e:
+                raise c._lean_failed(self._label, e) from None
+        self._ready()
+        c._post(self._desc, False, self._prepared)
+
+    def start(self) -> None:
+        """Post the operation and return at once; wait() completes it."""
+        self._ready()
+        self._work = self._comm._post(self._desc, True, self._prepared)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for the started operation (default: the communicator's timeout)."""
+        work = self._work
+        if work is None:
+            raise InvalidArgument("wait() without a start()", rank=self._comm.rank, op=self._label)
+        self._work = None
+        work.wait(timeout)
+
+    def close(self) -> None:
+        """Wait for a started operation, then release the buffers. Idempotent."""
+        work, self._work = self._work, None
+        self._desc = self._prepared = self._run = None
+        if work is not None:
+            work.wait()
+
+    def __enter__(self) -> "Persistent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _ready(self) -> None:
+        if self._desc is None:
+            raise InvalidArgument("the persistent operation is closed", rank=self._comm.rank, op=self._label)
+        if self._work is not None:
+            raise InvalidArgument("already started: wait() before starting it again",
+                                  rank=self._comm.rank, op=self._label)
+
+
+def held_buffers(desc: OpDesc):
+    """(array, buffer, written, name) for each buffer of desc: what a start must re-check.
+    The array is the object that owns the memory (for DLPack imports, numpy's view of it)."""
+    bufs = []
+    if desc.kind is OpKind.BROADCAST:
+        bufs.append((desc.recv, True, "buffer"))
+    else:
+        if desc.send is not None:
+            bufs.append((desc.send, False, "input"))
+        if desc.recv is not None and desc.recv is not desc.send:
+            bufs.append((desc.recv, True, "output"))
+        elif desc.recv is not None:  # in place: the input is written too
+            bufs[-1] = (desc.recv, True, "input")
+    return [(b.obj[0] if type(b.obj) is tuple else b.obj, b, written, what)
+            for b, written, what in bufs]
+
+
+class _Reposted:
+    """The persistent form on transports without their own: the descriptor was validated at
+    set-up; each start re-reads the buffers (refusing changed ones) and posts it."""
+
+    __slots__ = ("_post", "_held", "_rank", "_label")
+
+    def __init__(self, comm, desc: OpDesc, staged: bool):
+        self._post = comm._stager.post if staged else comm._transport.post
+        self._held = held_buffers(desc)
+        self._rank, self._label = comm.rank, desc.kind.label
+
+    def post(self, desc: OpDesc, blocking: bool):
+        for obj, buf, written, what in self._held:
+            try:
+                now = as_buffer(obj, op=self._label, writable=written)
+            except InvalidArgument as e:
+                now, cause = None, e.cause
+            if now is None or now.ptr != buf.ptr or now.count != buf.count:
+                raise InvalidArgument(
+                    f"the {what} buffer "
+                    f"{'changed (' + cause + ')' if now is None else 'was resized, reallocated or freed'} "
+                    "since the persistent operation was set up; set it up again with the current buffer",
+                    rank=self._rank, op=self._label)
+        return self._post(desc, blocking)
