@@ -33,6 +33,7 @@ void Comm::release() {
     p.monitor_fd = -1;
     p.said_goodbye = false;
   }
+  goodbyes_ = 0;
   shm.reset();
 }
 
@@ -108,6 +109,9 @@ void Comm::run(Transfer* ts, size_t n) {
       return false;
     };
     idle(spins, ready, &fds);
+    for (size_t i = 0; i < n; i++)
+      if (!ts[i].complete() && ts[i].ch->sockets().empty())
+        check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });
   }
 }
 
@@ -130,7 +134,10 @@ void Comm::wait_round(uint64_t round) {
     auto& their = shm->seg(i)->round;
     Backoff spins;
     auto reached = [&] { return their.load(std::memory_order_acquire) >= round; };
-    while (!reached()) idle(spins, reached);
+    while (!reached()) {
+      idle(spins, reached);
+      check_closed_peer(shm->global(i), [&] { return !reached(); });
+    }
   }
 }
 
@@ -158,7 +165,8 @@ void Comm::check_alive(const Deadline& dl) {
     char c = 0;
     ssize_t got = recv(p.monitor_fd, &c, 1, MSG_DONTWAIT);
     if (got == 1 && c == 'B') {
-      p.said_goodbye = true;
+      p.said_goodbye.store(true, std::memory_order_release);
+      goodbyes_.fetch_add(1, std::memory_order_relaxed);
       continue;
     }
     if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
@@ -170,6 +178,13 @@ void Comm::check_alive(const Deadline& dl) {
     fail(ErrorCode::TIMEOUT, -1,
          "timed out after " + std::to_string(opt.timeout_s) +
              " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");
+}
+
+void Comm::closed_peer(int peer) const {
+  fail(ErrorCode::PEER_FAILURE, peer,
+       "rank " + std::to_string(peer) +
+           " closed its communicator (close(), or its process ended) while this rank still "
+           "waits for it in this operation");
 }
 
 void Comm::abort() {

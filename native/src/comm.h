@@ -126,6 +126,16 @@ class Comm {
   // Throws PEER_FAILURE / ABORTED / TIMEOUT (past `dl`) when waiting is pointless.
   void check_alive(const Deadline& dl);
   void check_alive() { check_alive(deadline); }
+  // A shared-memory peer that said goodbye has written all it ever will: a transfer to or
+  // from it that cannot move now never will. Throws PEER_FAILURE naming it (instead of
+  // waiting out the timeout) when stuck() says so. Cheap until some peer said goodbye.
+  // stuck() runs after the goodbye is seen: what the peer wrote before it is visible.
+  template <class Stuck>
+  void check_closed_peer(int peer, Stuck stuck) const {
+    if (goodbyes_.load(std::memory_order_relaxed) &&
+        peers[peer].said_goodbye.load(std::memory_order_acquire) && stuck())
+      closed_peer(peer);
+  }
   void abort();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
   void release();      // close every connection and unmap shared memory
@@ -140,6 +150,8 @@ class Comm {
 #endif
   }
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
+  [[noreturn]] void closed_peer(int peer) const;
+  std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
   // Spinning only pays when every local rank has a core; oversubscribed ranks yield at once.
   int spin_calls_ = 2000;
   Clock::duration yield_for_ = std::chrono::milliseconds(2);

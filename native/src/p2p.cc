@@ -328,6 +328,19 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
   lock.unlock();
   c_.idle(spins, ready, &fds, &none);
   lock.lock();
+  for (int p = 0; p < c_.size; p++) {
+    const PeerState& ps = peers_[p];
+    if (ps.ch && ps.ch->sockets().empty()) c_.check_closed_peer(p, [&] { return stuck(ps); });
+  }
+}
+
+// Pending work with this peer that its stream cannot move now.
+bool P2P::stuck(const PeerState& ps) const {
+  Transfer probe;
+  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER;
+  if (receiving && !ps.ch->ready(probe)) return true;
+  probe.is_send = true;
+  return !ps.sends.empty() && !ps.ch->ready(probe);
 }
 
 }  // namespace comm
