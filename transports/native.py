@@ -43,7 +43,8 @@ _IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
 def _error_classes() -> dict:
     return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
             _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
-            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument}
+            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument,
+            _native.ERR_INTERRUPTED: Aborted}
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
@@ -250,6 +251,9 @@ class NativeTransport(Transport):
 
     def close(self) -> None:
         self._engine.close()
+
+    def forget_after_fork(self) -> None:
+        self._engine.forget_after_fork()
 
 
 register(NativeTransport)

@@ -37,6 +37,11 @@ void Comm::release() {
   shm.reset();
 }
 
+void Comm::forget() {
+  if (shm) shm->disown();
+  release();  // close() and munmap() act on this process's copies only
+}
+
 void Comm::set_local_ranks_known() {
   // More local ranks than cores: a spinning rank steals the core of the rank it waits for.
   const unsigned cores = std::max(1u, std::thread::hardware_concurrency());

@@ -22,6 +22,7 @@ namespace comm {
 struct Backoff {
   int calls = 0;
   Clock::time_point start;
+  Clock::duration signals_checked{};  // wait time at the last check_signals()
 };
 
 struct Options {
@@ -112,6 +113,10 @@ class Comm {
       return;
     }
     check_alive(*dl);
+    if (waited >= b.signals_checked + kSignalSlice) {
+      b.signals_checked = waited;
+      check_signals();
+    }
     const int ms = dl->ms_left(kSleepSliceMs);
     if (fds && !fds->empty()) sleep_fds(*fds, ms);
     else if (shm) shm->sleep(ready, ms);
@@ -139,6 +144,9 @@ class Comm {
   void abort();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
   void release();      // close every connection and unmap shared memory
+  // In a forked child: close this process's copies of the connections and mappings
+  // without touching what the parent shares (no goodbye, no shutdown, no unlink).
+  void forget();
 
  private:
   static constexpr int kSleepSliceMs = 20;  // abort and peer death are noticed this fast

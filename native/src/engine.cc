@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms.h"
@@ -20,13 +21,21 @@ void Op::rethrow() const {
   if (error_) throw *error_;
 }
 
+// Waits in slices of kSignalSlice so a signal (Ctrl-C) interrupts the wait.
 void Op::wait(double timeout_s) {
   if (!test()) {
-    std::unique_lock<std::mutex> lock(mu_);
+    const auto end = timeout_s < 0 ? Clock::time_point::max()
+                                   : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                        std::chrono::duration<double>(timeout_s));
     auto done = [&] { return done_.load(std::memory_order_acquire); };
-    if (timeout_s < 0) cv_.wait(lock, done);
-    else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done))
-      fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_until(lock, std::min(end, Clock::now() + kSignalSlice), done)) {
+      if (Clock::now() >= end)
+        fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+      lock.unlock();  // the check may wait for Python's lock: never while holding ours
+      check_signals();
+      lock.lock();
+    }
   }
   rethrow();
 }
@@ -72,6 +81,8 @@ void Engine::start() {
 }
 
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
+  if (forked_.load(std::memory_order_relaxed))
+    fail(ErrorCode::CLOSED, -1, "the communicator belongs to the process that forked this one");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
   if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
@@ -186,11 +197,13 @@ void Engine::run_collective(const OpArgs& a) {
 }
 
 void Engine::abort() {
+  if (forked_.load()) return;  // shutting the sockets down would cut the parent's connections
   comm_.abort();
   if (p2p_) p2p_->wake();
 }
 
 void Engine::close() {
+  if (forked_.load()) return;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
@@ -205,6 +218,11 @@ void Engine::close() {
   if (!comm_.aborted.load()) comm_.say_goodbye();
   // p2p_ lives on (stopped: it answers CLOSED) so a racing post never sees it freed.
   comm_.release();
+}
+
+void Engine::forget_after_fork() {
+  forked_.store(true);
+  comm_.forget();
 }
 
 }  // namespace comm

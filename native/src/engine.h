@@ -37,6 +37,12 @@ class Engine {
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
   void abort();
   void close();
+  // Called in a child forked from the owning process: closes the child's copies of the
+  // connections so the parent's peers are unaffected and the parent's death stays visible
+  // to them. Afterwards every call is refused or a no-op. The engine must then never be
+  // destroyed in the child: its threads, mutexes and condition variables are the parent's
+  // (a copied condition variable with waiters would hang its destructor).
+  void forget_after_fork();
   const char* last_algorithm() const { return last_algorithm_; }
 
  private:
@@ -52,6 +58,7 @@ class Engine {
   bool busy_ = false;
   bool stopping_ = false;
   bool closed_ = false;
+  std::atomic<bool> forked_{false};  // read before any lock: a copied mutex may be held
   std::optional<CommError> broken_;  // first failure: every later op fails with it
   std::thread thread_;
   const char* last_algorithm_ = "";

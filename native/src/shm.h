@@ -51,6 +51,7 @@ class ShmDomain {
   void create(const std::string& name);  // O_EXCL, mode 0600
   void attach(int global_rank, const std::string& name);
   void unlink();  // once every local peer has attached: nothing is left behind on a crash
+  void disown() { linked_ = false; }  // a forked child: the name is the parent's to unlink
 
   int local_size() const { return static_cast<int>(ranks_.size()); }
   int me() const { return me_; }
