@@ -176,12 +176,19 @@ class Communicator:
         self._transport.abort()
 
     def _overlap(self, op: str) -> InvalidArgument:
-        # Refused, not queued: two threads' collectives would run in an order other ranks
-        # cannot know, and same-signature collectives would silently swap their data.
-        return InvalidArgument(
+        """A second thread entered a collective while another is inside one. Refused, and the
+        communicator is aborted on every rank: the two threads' calls may already have run in
+        different orders on different ranks, and same-signature collectives would then swap
+        their data silently."""
+        err = InvalidArgument(
             "another thread is inside a collective on this communicator; a communicator runs one "
-            "collective at a time: serialise the threads' calls (a lock), or give each thread its "
-            "own communicator (split)", rank=self.rank, op=op)
+            "collective at a time, posted in the same order on every rank, so it is now aborted. "
+            "Call collectives from one thread, or give each thread its own communicator (split)",
+            rank=self.rank, op=op)
+        if self._failure is None:
+            self._failure = err
+        self._transport.abort()
+        return err
 
     def _disown(self) -> None:
         """In a child forked from the owner: refuse every later call, and let the transport drop

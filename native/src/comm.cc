@@ -175,6 +175,14 @@ void Comm::check_alive(const Deadline& dl) {
       continue;
     }
     if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    int32_t lost = -1;
+    if (got == 1 && c == 'F' && recv(p.monitor_fd, &lost, sizeof lost, MSG_WAITALL) == sizeof lost &&
+        lost >= 0 && lost < size && lost != rank)
+      fail(ErrorCode::PEER_FAILURE, lost,
+           "rank " + std::to_string(lost) + " is gone (rank " + std::to_string(r) +
+               " lost it during an operation)");
+    if (got == 1 && c == 'A')
+      fail(ErrorCode::PEER_FAILURE, r, "rank " + std::to_string(r) + " aborted its communicator");
     fail(ErrorCode::PEER_FAILURE, r,
          "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
   }
@@ -195,12 +203,25 @@ void Comm::closed_peer(int peer) const {
 void Comm::abort() {
   aborted.store(true);
   if (shm) shm->interrupt();
-  // Peers blocked on us see the connections drop and fail instead of waiting out the timeout.
+  // Peers blocked on us see the connections drop and fail instead of waiting out the timeout;
+  // the 'A' tells them why.
+  for (Peer& p : peers)
+    if (p.monitor_fd >= 0) (void)!send(p.monitor_fd, "A", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   for (Peer& p : peers) {
     if (p.coll) p.coll->shutdown();
     if (p.p2p) p.p2p->shutdown();
     if (p.monitor_fd >= 0) ::shutdown(p.monitor_fd, SHUT_RDWR);
   }
+}
+
+void Comm::relay_failure(const CommError& e) {
+  if (e.code != ErrorCode::PEER_FAILURE || e.peer < 0 || relayed_.exchange(true)) return;
+  char msg[1 + sizeof(int32_t)] = {'F'};
+  const int32_t lost = e.peer;
+  std::memcpy(msg + 1, &lost, sizeof lost);
+  for (Peer& p : peers)
+    if (p.monitor_fd >= 0 && !p.said_goodbye)
+      (void)!send(p.monitor_fd, msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 void Comm::say_goodbye() {

@@ -35,7 +35,9 @@ struct Options {
 struct Peer {
   std::unique_ptr<Channel> coll;  // collective traffic
   std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
-  int monitor_fd = -1;            // carries no data: readable means gone (or 'B'ye on close)
+  // Carries no data: readable means gone ('B'ye on close, 'A' on abort, 'F' + the rank
+  // whose loss failed the peer's operation).
+  int monitor_fd = -1;
   // Atomic: the collective thread and the p2p driver both watch the monitor sockets.
   std::atomic<bool> said_goodbye{false};
 };
@@ -143,6 +145,9 @@ class Comm {
   }
   void abort();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
+  // After this rank's operation failed because `e.peer` is gone: tell every peer (once), so
+  // ranks that were not waiting on the lost one directly fail now, not at their timeout.
+  void relay_failure(const CommError& e);
   void release();      // close every connection and unmap shared memory
   // In a forked child: close this process's copies of the connections and mappings
   // without touching what the parent shares (no goodbye, no shutdown, no unlink).
@@ -160,6 +165,7 @@ class Comm {
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
   [[noreturn]] void closed_peer(int peer) const;
   std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
+  std::atomic<bool> relayed_{false};
   // Spinning only pays when every local rank has a core; oversubscribed ranks yield at once.
   int spin_calls_ = 2000;
   Clock::duration yield_for_ = std::chrono::milliseconds(2);

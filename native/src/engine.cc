@@ -142,6 +142,7 @@ void Engine::execute(Op& op) {
       run_collective(op.args);
     } catch (const CommError& e) {
       error = e;
+      comm_.relay_failure(e);
       // The streams are now in an unknown state: the communicator cannot be trusted again.
       broken_ = CommError(e.code, e.peer, "an earlier operation failed: " + e.msg);
     }

@@ -280,6 +280,7 @@ void P2P::finish(Pending& p, std::optional<CommError> error) {
 }
 
 void P2P::fail_all(const CommError& e) {
+  c_.relay_failure(e);
   if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
   for (PeerState& ps : peers_) {
     for (Pending& p : ps.sends) finish(p, e);
