@@ -164,7 +164,29 @@ def sigint(world) -> None:
         report(after=type(e).__name__)
 
 
+def init_killed() -> None:
+    """The victim (VICTIM) is killed right after creating its shared-memory segment, before any
+    peer mapped it; the others report how their init ended and how long it took."""
+    if RANK == int(os.environ["VICTIM"]):
+        from transports.native import NativeTransport
+
+        def create_and_die(engine, store, local):
+            engine.shm_create()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        NativeTransport._share_memory = staticmethod(create_and_die)
+    start = time.monotonic()
+    try:
+        comm.init()
+        report(error=None)
+    except comm.CommError as e:
+        report(seconds=time.monotonic() - start, **error_fields(e))
+
+
 def main() -> None:
+    if sys.argv[1] == "init_killed":
+        init_killed()
+        return
     world = comm.init()
     globals()[sys.argv[1]](world)
     # No close(): a script that returns from its main leaves that to interpreter exit.

@@ -6,6 +6,7 @@ refused; Ctrl-C interrupts a blocked operation at once and aborts the communicat
 The ranks are plain scripts (tests/lifetime_rank.py) so they can end as real programs do."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -33,8 +34,8 @@ class Job:
         for r in range(n):
             env_r = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
                          MASTER_PORT=str(port), COMM_TIMEOUT=str(TIMEOUT),
-                         PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-                         **(env or {}))
+                         PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+            env_r.update(env or {})
             self.procs.append(subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "lifetime_rank.py"), scenario], env=env_r,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))
@@ -139,3 +140,19 @@ def test_ctrl_c_interrupts_a_blocked_operation(mode):
     assert peer["at"] - sent < NOTICE, f"rank 1 waited {peer['at'] - sent:.2f} s"
     print(f"ctrl-c {mode}: KeyboardInterrupt in {delay * 1000:.0f} ms, "
           f"peer {peer['error']} in {(peer['at'] - sent) * 1000:.0f} ms")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_rank_killed_during_shm_setup_leaves_nothing(n):
+    """Killed after creating its segment, before any peer mapped it: nothing stays in /dev/shm
+    and the others' init fails within its timeout."""
+    before = set(glob.glob("/dev/shm/comm*"))
+    timeout = 5
+    reports = Job("init_killed", n, {"VICTIM": str(n - 1), "COMM_TIMEOUT": str(timeout)}).finish()
+    for r in range(n - 1):
+        got = reports[r][0]
+        assert got["error"] is not None, got
+        assert got["seconds"] < timeout + 2, f"rank {r}'s init took {got['seconds']:.1f} s"
+        print(f"killed in shm set-up, n={n}: rank {r} init failed in {got['seconds']:.1f} s "
+              f"(timeout {timeout}): {got['error']}")
+    assert set(glob.glob("/dev/shm/comm*")) - before == set()

@@ -98,7 +98,6 @@ NB_MODULE(_native, m) {
           nb::arg("algo"), nb::arg("chunk_bytes"), nb::arg("direct_max_bytes"))
       .def("shm_create", &Engine::shm_create, release())
       .def("shm_attach", &Engine::shm_attach, release())
-      .def("shm_unlink", &Engine::shm_unlink, release())
       .def("cma_probe", &Engine::cma_probe, release())
       .def("set_cma", &Engine::set_cma, release())
       .def("add_peer", &Engine::add_peer, nb::arg("peer"), nb::arg("monitor_fd"),

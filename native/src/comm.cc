@@ -38,7 +38,6 @@ void Comm::release() {
 }
 
 void Comm::forget() {
-  if (shm) shm->disown();
   release();  // close() and munmap() act on this process's copies only
 }
 

@@ -150,7 +150,7 @@ class Comm {
   void relay_failure(const CommError& e);
   void release();      // close every connection and unmap shared memory
   // In a forked child: close this process's copies of the connections and mappings
-  // without touching what the parent shares (no goodbye, no shutdown, no unlink).
+  // without touching what the parent shares (no goodbye, no shutdown).
   void forget();
 
  private:

@@ -48,9 +48,8 @@ Engine::Engine(int rank, int size, std::vector<int> local_ranks, Options opt)
 
 Engine::~Engine() { close(); }
 
-void Engine::shm_create(const std::string& name) { comm_.shm->create(name); }
-void Engine::shm_attach(int rank, const std::string& name) { comm_.shm->attach(rank, name); }
-void Engine::shm_unlink() { comm_.shm->unlink(); }
+int Engine::shm_create() { return comm_.shm->create(); }
+void Engine::shm_attach(int rank, int pid, int fd) { comm_.shm->attach(rank, pid, fd); }
 
 bool Engine::cma_probe() {
   if (!comm_.shm) return false;

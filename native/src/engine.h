@@ -24,9 +24,8 @@ class Engine {
   ~Engine();
 
   // Bootstrap, driven by transports/native.py in this order.
-  void shm_create(const std::string& name);
-  void shm_attach(int rank, const std::string& name);
-  void shm_unlink();
+  int shm_create();  // returns the segment's descriptor, which peers open via /proc
+  void shm_attach(int rank, int pid, int fd);
   bool cma_probe();              // can this rank read every local peer's memory?
   void set_cma(bool everywhere); // the AND of every rank's probe: all must choose alike
   // coll_fds empty: the peer is on this host and uses shared memory.
