@@ -48,6 +48,9 @@ int ShmDomain::local_index(int global_rank) const {
 int ShmDomain::create() {
   fd_ = memfd_create("comm-shm", MFD_CLOEXEC);
   if (fd_ < 0) fail_errno("memfd_create");
+  // Peers open it through /proc/<pid>/fd, which already requires the same user; the mode
+  // says so too.
+  if (fchmod(fd_, 0600) != 0) fail_errno("fchmod shared memory");
   if (ftruncate(fd_, static_cast<off_t>(segment_bytes())) != 0) fail_errno("ftruncate shared memory");
   void* p = mmap(nullptr, segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) fail_errno("mmap shared memory");
