@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import itertools
 import operator
+import os
 import struct
+import threading
+import weakref
 
 from . import auth, config, log, rendezvous
 from .buffers import Buffer, as_buffer
@@ -55,6 +58,10 @@ class Communicator:
         self._split_count = 0
         self._failure: CommError | None = None
         self._closed = False
+        self._pid = os.getpid()   # the owner: a forked child may not use it (see _disown)
+        self._foreign = False
+        self._busy = threading.Lock()  # held by the thread inside a collective
+        _LIVE.add(self)
         self._recorder = FlightRecorder(ctx.rank, ctx.group_name, getattr(transport, "recent_ops", None))
         self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport
         self._lean = transport.run_array  # None: every call takes the full path
@@ -135,33 +142,96 @@ class Communicator:
             raise self._error(op, f"{what} has {got} elements, expected {want}")
 
     # ---- posting -----------------------------------------------------------------------------
-    def _post(self, desc: OpDesc, async_op: bool, via=None):
-        """Post desc to the transport (or to `via`, a persistent op prepared from it)."""
+    def _post(self, desc: OpDesc, async_op: bool, via=None, exclusive: bool = True):
+        """Post desc to the transport (or to `via`, a persistent op prepared from it).
+        exclusive: a collective, which no other thread may be posting or running at the same
+        time (point-to-point calls pass False: they match by peer and tag, not by order)."""
         if self._failure is not None or self._closed:
             self._refuse(desc.kind.label)
-        desc.seq = self._next_seq()
-        entry = self._recorder.posted(desc)
+        if exclusive and not self._busy.acquire(False):
+            raise self._overlap(desc.kind.label)
         try:
-            if via is not None:
-                req = via.post(desc, not async_op)
-            elif self._stager is not None and self._stager.involves(desc):
-                req = self._stager.post(desc, not async_op)
-            else:
-                req = self._transport.post(desc, not async_op)
-            if not async_op and req is not DONE:
-                req.wait(self.timeout)
-        except CommError as e:
-            raise self._failed_op(desc.kind.label, e, entry) from None
+            desc.seq = self._next_seq()
+            entry = self._recorder.posted(desc)
+            try:
+                if via is not None:
+                    req = via.post(desc, not async_op)
+                elif self._stager is not None and self._stager.involves(desc):
+                    req = self._stager.post(desc, not async_op)
+                else:
+                    req = self._transport.post(desc, not async_op)
+                if not async_op and req is not DONE:
+                    req.wait(self.timeout)
+            except CommError as e:
+                raise self._failed_op(desc.kind.label, e, entry) from None
+            except BaseException as e:  # Ctrl-C, or another signal handler's exception
+                self._interrupted(e, entry)
+                raise
+        finally:
+            if exclusive:
+                self._busy.release()
         if async_op:
             return Work(self, req, desc, entry)
         entry[5] = "done"
         return None
 
+    def _interrupted(self, exc: BaseException, entry) -> None:
+        """A signal handler raised `exc` while this rank waited: the operation is half done, so
+        the communicator is aborted (its peers fail at once instead of waiting for this rank)."""
+        if entry is not None:
+            entry[5] = "failed"
+        if self._failure is None:
+            self._failure = Aborted(f"interrupted by {type(exc).__name__} during an operation",
+                                    rank=self.rank, op="abort")
+        self._transport.abort()
+
+    def _overlap(self, op: str) -> InvalidArgument:
+        """A second thread entered a collective while another is inside one. Refused, and the
+        communicator is aborted on every rank: the two threads' calls may already have run in
+        different orders on different ranks, and same-signature collectives would then swap
+        their data silently."""
+        err = InvalidArgument(
+            "another thread is inside a collective on this communicator; a communicator runs one "
+            "collective at a time, posted in the same order on every rank, so it is now aborted. "
+            "Call collectives from one thread, or give each thread its own communicator (split)",
+            rank=self.rank, op=op)
+        if self._failure is None:
+            self._failure = err
+        self._transport.abort()
+        return err
+
+    def _disown(self) -> None:
+        """In a child forked from the owner: refuse every later call, and let the transport drop
+        the child's copies of its connections (the parent keeps using them)."""
+        self._foreign = True
+        self._failure = CommError(
+            f"this communicator belongs to pid {self._pid}, which forked this process (pid "
+            f"{os.getpid()}); a forked child cannot use its parent's communicators: call comm.init() "
+            "in the child", rank=self.rank)
+        self._transport.forget_after_fork()
+
     def _refuse(self, op: str):
+        if self._foreign:
+            raise CommError(self._failure.cause, rank=self.rank, op=op)
         if self._closed:
             raise Closed("the communicator is closed", rank=self.rank, op=op)
         raise Aborted(f"the communicator failed earlier and takes no more work ({self._failure.cause}); "
                       "create a new one", rank=self.rank, op=op)
+
+    def _run_lean(self, op: str, run, *args):
+        """run(*args): the transport's lean path or a persistent run, one native call, under
+        _post's rules: one thread at a time, and a signal's exception aborts."""
+        if not self._busy.acquire(False):
+            raise self._overlap(op)
+        try:
+            return run(*args)
+        except Exception as e:
+            raise self._lean_failed(op, e) from None
+        except BaseException as e:  # Ctrl-C
+            self._interrupted(e, None)
+            raise
+        finally:
+            self._busy.release()
 
     def _lean_failed(self, op: str, e: Exception) -> CommError:
         """The CommError for an exception of the transport's lean path or a persistent run."""
@@ -190,11 +260,8 @@ class Communicator:
         lean = self._lean
         if (lean is not None and scale is None and not async_op and self._failure is None
                 and not self._closed):
-            try:
-                if lean(_ALL_REDUCE, x, out, op, None, self.timeout):
-                    return None
-            except Exception as e:
-                raise self._lean_failed("all_reduce", e) from None
+            if self._run_lean("all_reduce", lean, _ALL_REDUCE, x, out, op, None, self.timeout):
+                return None
         return self._post(self._all_reduce(x, op, out, scale), async_op)
 
     def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
@@ -249,11 +316,8 @@ class Communicator:
         """Copy root's x into x on every rank."""
         lean = self._lean
         if lean is not None and not async_op and self._failure is None and not self._closed:
-            try:
-                if lean(_BROADCAST, x, None, 0, root, self.timeout):
-                    return None
-            except Exception as e:
-                raise self._lean_failed("broadcast", e) from None
+            if self._run_lean("broadcast", lean, _BROADCAST, x, None, 0, root, self.timeout):
+                return None
         return self._post(self._broadcast(x, root), async_op)
 
     def broadcast_init(self, x, root: int = 0) -> Persistent:
@@ -376,7 +440,7 @@ class Communicator:
             raise self._error(name, f"tag {tag!r} must be an integer in [0, 2**31)")
         desc = OpDesc(kind, buf if kind is OpKind.SEND else None, buf if kind is OpKind.RECV else None,
                       buf.dtype, buf.count, peer=peer, tag=tag_value)
-        return self._post(desc, async_op)
+        return self._post(desc, async_op, exclusive=False)
 
     def send(self, x, dst: int, tag: int = 0) -> None:
         """Send x to rank dst; returns when x may be reused."""
@@ -410,6 +474,14 @@ class Communicator:
         (key, rank). color=None (or negative) takes part without joining; it gets None."""
         if self._failure is not None or self._closed:
             self._refuse("split")
+        if not self._busy.acquire(False):
+            raise self._overlap("split")
+        try:
+            return self._split(color, key)
+        finally:
+            self._busy.release()
+
+    def _split(self, color: int | None, key: int | None) -> "Communicator | None":
         color = -1 if color is None else int(color)
         key = self.rank if key is None else int(key)
         self._split_count += 1
@@ -430,6 +502,8 @@ class Communicator:
 
     def abort(self) -> None:
         """Fail every pending and future operation at once (any thread may call it)."""
+        if self._foreign:
+            self._refuse("abort")  # aborting would cut the parent's connections
         if self._failure is None:
             self._failure = Aborted("aborted by the user", rank=self.rank, op="abort")
         self._transport.abort()
@@ -439,6 +513,8 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        if self._foreign:
+            return  # the parent's to close; the child's copies went at fork
         self._transport.close()
         if self._stager is not None:
             self._stager.close()
@@ -455,6 +531,18 @@ def _set_up(rank: int, op: str, create, *args):
         raise
     except OSError as e:
         raise from_os_error(e, rank=rank, op=op) from None
+
+
+# Every communicator of this process, so a forked child can disown them all.
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for c in list(_LIVE):
+        c._disown()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def transport_class(name: str, rank: int | None = None):

@@ -50,11 +50,8 @@ class Persistent:
         """start() and wait(), on the caller's thread where the transport allows."""
         c, run = self._comm, self._run
         if run is not None and self._work is None and c._failure is None and not c._closed:
-            try:
-                run(c.timeout)
-                return
-            except Exception as e:
-                raise c._lean_failed(self._label, e) from None
+            c._run_lean(self._label, run, c.timeout)
+            return
         self._ready()
         c._post(self._desc, False, self._prepared)
 

@@ -28,10 +28,15 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:
+            if self._comm._foreign:
+                self._comm._refuse("wait")
             try:
                 self._req.wait(self._comm.timeout if timeout is None else timeout)
             except CommError as e:
                 self._finish(self._comm._failed_op(self._desc.kind.label, e, self._entry))
+            except BaseException as e:  # Ctrl-C while waiting
+                self._comm._interrupted(e, self._entry)
+                raise
             else:
                 self._finish(None)
         if self._error is not None:
@@ -40,6 +45,8 @@ class Work:
 
     def is_completed(self) -> bool:
         if not self._done:
+            if self._comm._foreign:
+                self._comm._refuse("is_completed")
             try:
                 if not self._req.test():
                     return False

@@ -81,7 +81,7 @@ def _no_segments_left(world):
 
 
 def test_shared_memory_unlinked_after_setup(cluster):
-    """Segments are unlinked as soon as every local peer mapped them: a crash leaks nothing."""
+    """Shared memory has no name in /dev/shm (memfd): a crash at any point leaks nothing."""
     assert cluster(3).run(_no_segments_left) == [[], [], []]
 
 

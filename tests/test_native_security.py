@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import socket
 import stat
 import threading
@@ -33,20 +32,18 @@ def _engine():
     return _native.Engine(0, 2, [0, 1], 5.0, "", 1 << 19, 32 << 10)
 
 
-def test_shm_segment_exclusive_and_private():
-    first, second = _engine(), _engine()
-    name = "/comm-" + secrets.token_hex(16)
+def test_shm_segment_anonymous_and_private():
+    engine = _engine()
+    before = set(os.listdir("/dev/shm"))
     try:
-        first.shm_create(name)
-        mode = stat.S_IMODE(os.stat("/dev/shm" + name).st_mode)
-        assert mode == 0o600, oct(mode)
-        with pytest.raises(Exception, match="File exists"):
-            second.shm_create(name)           # O_EXCL: nobody can pre-create or hijack it
+        fd = engine.shm_create()
+        # memfd: no name in /dev/shm that a stranger could pre-create, open, or find left over
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        assert set(os.listdir("/dev/shm")) - before == set()
+        assert stat.S_IMODE(os.stat(f"/proc/self/fd/{fd}").st_mode) == 0o600
+        assert not os.get_inheritable(fd)   # not passed on to exec'd programs
     finally:
-        first.shm_unlink()
-        first.close()
-        second.close()
-    assert not os.path.exists("/dev/shm" + name)
+        engine.close()
 
 
 def _stranger(addr: str, port: int, payload: bytes, secret: bytes | None) -> None:

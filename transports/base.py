@@ -72,6 +72,11 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release connections and memory. Idempotent."""
 
+    def forget_after_fork(self) -> None:
+        """Called in a child forked from the owning process, which keeps using the transport:
+        drop the child's copies of connections without anything the parent or its peers would
+        notice (no goodbye, no shutdown, no unlink). The object is never used again here."""
+
 
 def poll_until(done, timeout: float | None, timed_out) -> None:
     """Call done() until it is true, else raise timed_out() after `timeout` seconds.

@@ -4,8 +4,9 @@ Python does the connection set-up, where speed does not matter and the standard 
 has what security needs: every rank publishes its listening address through the store,
 the mesh is connected (the higher rank connects, the lower accepts), every socket passes
 comm.auth's HMAC handshake, and the connected sockets are handed to the engine. Ranks with
-the same host_id also share memory: each creates one segment (O_EXCL, mode 0600, random
-name), maps its local peers' segments, and unlinks its own once all have mapped it.
+the same host_id also share memory: each creates one anonymous segment (memfd) and maps its
+local peers' segments through /proc/<pid>/fd (same user only); nothing has a name in
+/dev/shm, so nothing can be left behind.
 
 Per peer the engine gets: one monitor socket (carries no data; its hang-up means the peer
 died), and for peers on other hosts (or with COMM_CHANNELS=tcp) one socket for send/recv
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import select
 import socket
@@ -60,7 +62,8 @@ def _wake(s: socket.socket) -> None:
 def _error_classes() -> dict:
     return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
             _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
-            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument}
+            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument,
+            _native.ERR_INTERRUPTED: Aborted}
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
@@ -152,9 +155,8 @@ class NativeTransport(Transport):
             listener.bind((addr, 0))
             listener.listen(max(128, 4 * ctx.size))
             token = secrets.token_bytes(16)
-            shm_name = "/comm-" + secrets.token_hex(16)
             me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1],
-                  "token": token.hex(), "shm": shm_name}
+                  "token": token.hex()}
             infos = [json.loads(v) for v in store.all_gather("native/info", json.dumps(me).encode())]
             tcp_only = config.get("COMM_CHANNELS") == "tcp"
             local = [] if tcp_only else [r for r, i in enumerate(infos) if i["host"] == ctx.host_id]
@@ -162,7 +164,7 @@ class NativeTransport(Transport):
                                     float(ctx.timeout), config.get("COMM_ALGO") or "",
                                     int(config.get("COMM_CHUNK_BYTES")), DIRECT_MAX_BYTES)
             if len(local) > 1:
-                self._share_memory(engine, store, infos, local, shm_name)
+                self._share_memory(engine, store, local)
             socks = self._connect_mesh(ctx, listener, infos, token, set(local))
         finally:
             listener.close()
@@ -177,15 +179,13 @@ class NativeTransport(Transport):
         return engine
 
     @staticmethod
-    def _share_memory(engine, store, infos, local, shm_name) -> None:
-        engine.shm_create(shm_name)
-        try:
-            store.barrier("native/shm-created")
-            for r in local:
-                engine.shm_attach(r, infos[r]["shm"])
-            store.barrier("native/shm-attached")
-        finally:
-            engine.shm_unlink()  # from here on a crash leaves nothing in /dev/shm
+    def _share_memory(engine, store, local) -> None:
+        # Anonymous segments (memfd), mapped by peers through /proc/<pid>/fd/<fd>: no name
+        # exists that a rank killed at any point could leave behind.
+        fd = engine.shm_create()
+        where = [json.loads(v) for v in store.all_gather("native/shm", json.dumps([os.getpid(), fd]).encode())]
+        for r in local:
+            engine.shm_attach(r, *where[r])
         cma = engine.cma_probe()
         votes = store.all_gather("native/cma", b"1" if cma else b"0")
         engine.set_cma(all(votes[r] == b"1" for r in local))
@@ -367,6 +367,9 @@ class NativeTransport(Transport):
 
     def close(self) -> None:
         self._engine.close()
+
+    def forget_after_fork(self) -> None:
+        self._engine.forget_after_fork()
 
 
 register(NativeTransport)

@@ -229,6 +229,24 @@ struct Prepared {
   }
 };
 
+// Python runs signal handlers only on its main thread, between bytecodes: a thread blocked in
+// the engine (GIL released) would see Ctrl-C only when the operation ends. The engine asks
+// this hook every slice of a long wait; on the main thread it runs the handlers and keeps
+// the exception they raised (KeyboardInterrupt) for the translator below to raise instead
+// of the engine's INTERRUPTED error.
+unsigned long main_thread = 0;
+thread_local PyObject *raised_type = nullptr, *raised_value = nullptr, *raised_tb = nullptr;
+
+bool python_signal_raised() {
+  if (PyThread_get_thread_ident() != main_thread) return false;
+  nb::gil_scoped_acquire gil;
+  if (PyErr_CheckSignals() == 0) return false;
+  Py_XDECREF(raised_type);
+  Py_XDECREF(raised_value);
+  Py_XDECREF(raised_tb);
+  PyErr_Fetch(&raised_type, &raised_value, &raised_tb);
+  return true;
+}
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -239,6 +257,11 @@ NB_MODULE(_native, m) {
     try {
       std::rethrow_exception(p);
     } catch (const CommError& e) {
+      if (e.code == ErrorCode::INTERRUPTED && raised_type) {
+        PyErr_Restore(raised_type, raised_value, raised_tb);  // the handler's own exception
+        raised_type = raised_value = raised_tb = nullptr;
+        return;
+      }
       nb::object args = nb::make_tuple(static_cast<int>(e.code), e.peer, e.msg);
       PyErr_SetObject(native_error, args.ptr());
     }
@@ -250,6 +273,9 @@ NB_MODULE(_native, m) {
   m.attr("ERR_CLOSED") = static_cast<int>(ErrorCode::CLOSED);
   m.attr("ERR_SYSTEM") = static_cast<int>(ErrorCode::SYSTEM);
   m.attr("ERR_INVALID_ARGUMENT") = static_cast<int>(ErrorCode::INVALID_ARGUMENT);
+  m.attr("ERR_INTERRUPTED") = static_cast<int>(ErrorCode::INTERRUPTED);
+  main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
+  signal_check = python_signal_raised;
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
   m.def("algorithm_names", &algorithm_names, "Every algorithm name COMM_ALGO may give the engine.");
   // The buffer protocol from C: ~10x cheaper than numpy's __array_interface__ dict, and
@@ -308,7 +334,6 @@ NB_MODULE(_native, m) {
           nb::arg("algo"), nb::arg("chunk_bytes"), nb::arg("direct_max_bytes"))
       .def("shm_create", &Engine::shm_create, release())
       .def("shm_attach", &Engine::shm_attach, release())
-      .def("shm_unlink", &Engine::shm_unlink, release())
       .def("cma_probe", &Engine::cma_probe, release())
       .def("set_cma", &Engine::set_cma, release())
       .def("add_peer", &Engine::add_peer, nb::arg("peer"), nb::arg("monitor_fd"),
@@ -364,6 +389,14 @@ NB_MODULE(_native, m) {
             return out;
           },
           "The engine's flight recorder: (seq, kind, dtype, count, root, state, started).")
+      .def(
+          "forget_after_fork",
+          [](nb::handle self) {
+            nb::cast<Engine&>(self).forget_after_fork();
+            self.inc_ref();  // never destroyed in the child: see Engine::forget_after_fork
+            nb::set_leak_warnings(false);  // so the child's exit reports it as no bug
+          },
+          "In a forked child: drop this process's copies of the connections; leaks the engine.")
       .def("abort", &Engine::abort, release())
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);

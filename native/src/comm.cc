@@ -33,7 +33,12 @@ void Comm::release() {
     p.monitor_fd = -1;
     p.said_goodbye = false;
   }
+  goodbyes_ = 0;
   shm.reset();
+}
+
+void Comm::forget() {
+  release();  // close() and munmap() act on this process's copies only
 }
 
 void Comm::set_local_ranks_known() {
@@ -110,6 +115,9 @@ void Comm::run(Transfer* ts, size_t n) {
       return false;
     };
     idle(spins, ready, &fds);
+    for (size_t i = 0; i < n; i++)
+      if (!ts[i].complete() && ts[i].ch->sockets().empty())
+        check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });
   }
 }
 
@@ -132,7 +140,10 @@ void Comm::wait_round(uint64_t round) {
     auto& their = shm->seg(i)->round;
     Backoff spins;
     auto reached = [&] { return their.load(std::memory_order_acquire) >= round; };
-    while (!reached()) idle(spins, reached);
+    while (!reached()) {
+      idle(spins, reached);
+      check_closed_peer(shm->global(i), [&] { return !reached(); });
+    }
   }
 }
 
@@ -160,10 +171,19 @@ void Comm::check_alive(const Deadline& dl) {
     char c = 0;
     ssize_t got = recv(p.monitor_fd, &c, 1, MSG_DONTWAIT);
     if (got == 1 && c == 'B') {
-      p.said_goodbye = true;
+      p.said_goodbye.store(true, std::memory_order_release);
+      goodbyes_.fetch_add(1, std::memory_order_relaxed);
       continue;
     }
     if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    int32_t lost = -1;
+    if (got == 1 && c == 'F' && recv(p.monitor_fd, &lost, sizeof lost, MSG_WAITALL) == sizeof lost &&
+        lost >= 0 && lost < size && lost != rank)
+      fail(ErrorCode::PEER_FAILURE, lost,
+           "rank " + std::to_string(lost) + " is gone (rank " + std::to_string(r) +
+               " lost it during an operation)");
+    if (got == 1 && c == 'A')
+      fail(ErrorCode::PEER_FAILURE, r, "rank " + std::to_string(r) + " aborted its communicator");
     fail(ErrorCode::PEER_FAILURE, r,
          "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
   }
@@ -174,15 +194,35 @@ void Comm::check_alive(const Deadline& dl) {
              " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");
 }
 
+void Comm::closed_peer(int peer) const {
+  fail(ErrorCode::PEER_FAILURE, peer,
+       "rank " + std::to_string(peer) +
+           " closed its communicator (close(), or its process ended) while this rank still "
+           "waits for it in this operation");
+}
+
 void Comm::abort() {
   aborted.store(true);
   if (shm) shm->interrupt();
-  // Peers blocked on us see the connections drop and fail instead of waiting out the timeout.
+  // Peers blocked on us see the connections drop and fail instead of waiting out the timeout;
+  // the 'A' tells them why.
+  for (Peer& p : peers)
+    if (p.monitor_fd >= 0) (void)!send(p.monitor_fd, "A", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   for (Peer& p : peers) {
     if (p.coll) p.coll->shutdown();
     if (p.p2p) p.p2p->shutdown();
     if (p.monitor_fd >= 0) ::shutdown(p.monitor_fd, SHUT_RDWR);
   }
+}
+
+void Comm::relay_failure(const CommError& e) {
+  if (e.code != ErrorCode::PEER_FAILURE || e.peer < 0 || relayed_.exchange(true)) return;
+  char msg[1 + sizeof(int32_t)] = {'F'};
+  const int32_t lost = e.peer;
+  std::memcpy(msg + 1, &lost, sizeof lost);
+  for (Peer& p : peers)
+    if (p.monitor_fd >= 0 && !p.said_goodbye)
+      (void)!send(p.monitor_fd, msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 void Comm::say_goodbye() {

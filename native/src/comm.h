@@ -22,7 +22,8 @@ namespace comm {
 struct Backoff {
   int calls = 0;
   Clock::time_point start;
-  Clock::time_point checked;  // the last full liveness check (monitor sockets, deadline)
+  Clock::time_point checked;          // the last full liveness check (monitor sockets, deadline)
+  Clock::time_point signals_checked;  // the last check_signals()
 };
 
 struct Options {
@@ -35,7 +36,9 @@ struct Options {
 struct Peer {
   std::unique_ptr<Channel> coll;  // collective traffic
   std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
-  int monitor_fd = -1;            // carries no data: readable means gone (or 'B'ye on close)
+  // Carries no data: readable means gone ('B'ye on close, 'A' on abort, 'F' + the rank
+  // whose loss failed the peer's operation).
+  int monitor_fd = -1;
   // Atomic: the collective thread and the p2p driver both watch the monitor sockets.
   std::atomic<bool> said_goodbye{false};
 };
@@ -101,7 +104,7 @@ class Comm {
   void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr,
             const Deadline* dl = nullptr) {
     if (!dl) dl = &deadline;
-    if (b.calls++ == 0) b.start = b.checked = Clock::now();
+    if (b.calls++ == 0) b.start = b.checked = b.signals_checked = Clock::now();
     if ((b.calls & 255) == 0) check_alive(*dl);
     if (b.calls < spin_calls_) {
       cpu_relax();
@@ -119,6 +122,10 @@ class Comm {
       check_alive(*dl);
       b.checked = now;
     }
+    if (now - b.signals_checked >= kSignalSlice) {
+      b.signals_checked = now;
+      check_signals();
+    }
     const int ms = dl->ms_left(kSleepSliceMs);
     if (fds && !fds->empty()) sleep_fds(*fds, ms);
     else if (shm) shm->sleep(ready, ms);
@@ -133,9 +140,25 @@ class Comm {
   // Throws PEER_FAILURE / ABORTED / TIMEOUT (past `dl`) when waiting is pointless.
   void check_alive(const Deadline& dl);
   void check_alive() { check_alive(deadline); }
+  // A shared-memory peer that said goodbye has written all it ever will: a transfer to or
+  // from it that cannot move now never will. Throws PEER_FAILURE naming it (instead of
+  // waiting out the timeout) when stuck() says so. Cheap until some peer said goodbye.
+  // stuck() runs after the goodbye is seen: what the peer wrote before it is visible.
+  template <class Stuck>
+  void check_closed_peer(int peer, Stuck stuck) const {
+    if (goodbyes_.load(std::memory_order_relaxed) &&
+        peers[peer].said_goodbye.load(std::memory_order_acquire) && stuck())
+      closed_peer(peer);
+  }
   void abort();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
+  // After this rank's operation failed because `e.peer` is gone: tell every peer (once), so
+  // ranks that were not waiting on the lost one directly fail now, not at their timeout.
+  void relay_failure(const CommError& e);
   void release();      // close every connection and unmap shared memory
+  // In a forked child: close this process's copies of the connections and mappings
+  // without touching what the parent shares (no goodbye, no shutdown).
+  void forget();
 
  private:
   static constexpr int kSleepSliceMs = 20;  // abort and peer death are noticed this fast
@@ -148,6 +171,9 @@ class Comm {
 #endif
   }
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
+  [[noreturn]] void closed_peer(int peer) const;
+  std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
+  std::atomic<bool> relayed_{false};
   // Spinning only pays when every local rank has a core; oversubscribed ranks yield at once.
   int spin_calls_ = 2000;
   Clock::duration yield_for_ = std::chrono::milliseconds(2);

@@ -26,6 +26,13 @@ void fail_errno(const std::string& what) {
   fail(ErrorCode::SYSTEM, -1, what + ": " + std::strerror(errno));
 }
 
+SignalCheck signal_check = nullptr;
+
+void check_signals() {
+  if (signal_check && signal_check())
+    fail(ErrorCode::INTERRUPTED, -1, "interrupted by a signal while waiting");
+}
+
 int Deadline::ms_left(int cap_ms) const {
   if (at == Clock::time_point::max()) return cap_ms;
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(at - Clock::now()).count();

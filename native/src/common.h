@@ -24,7 +24,8 @@ const char* kind_name(OpKind k);
 // Error codes mirrored by transports/native.py onto the comm.errors classes.
 enum class ErrorCode : int {
   TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM,
-  INVALID_ARGUMENT  // the caller's arguments; nothing was sent and the communicator stays usable
+  INVALID_ARGUMENT,  // the caller's arguments; nothing was sent and the communicator stays usable
+  INTERRUPTED        // a signal handler (Ctrl-C) stopped the wait
 };
 
 // The one exception type the engine throws; the binding turns it into _native.NativeError.
@@ -41,6 +42,15 @@ struct CommError : std::exception {
 [[noreturn]] void fail_errno(const std::string& what);
 
 using Clock = std::chrono::steady_clock;
+
+// Signals (Ctrl-C) reach a thread blocked in the engine through this hook, which the Python
+// binding sets: true when the host's signal handlers ask the calling thread to stop. Long
+// waits call check_signals() every kSignalSlice (never on the latency path: the hook may
+// have to wait for Python's lock), and it throws INTERRUPTED when the hook says so.
+using SignalCheck = bool (*)();
+extern SignalCheck signal_check;
+constexpr auto kSignalSlice = std::chrono::milliseconds(50);
+void check_signals();
 
 // Absolute end of the current operation; every wait in the engine checks it.
 struct Deadline {

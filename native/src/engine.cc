@@ -1,5 +1,6 @@
 #include "engine.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms.h"
@@ -20,13 +21,21 @@ void Op::rethrow() const {
   if (error_) throw *error_;
 }
 
+// Waits in slices of kSignalSlice so a signal (Ctrl-C) interrupts the wait.
 void Op::wait(double timeout_s) {
   if (!test()) {
-    std::unique_lock<std::mutex> lock(mu_);
+    const auto end = timeout_s < 0 ? Clock::time_point::max()
+                                   : Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                                        std::chrono::duration<double>(timeout_s));
     auto done = [&] { return done_.load(std::memory_order_acquire); };
-    if (timeout_s < 0) cv_.wait(lock, done);
-    else if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done))
-      fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_until(lock, std::min(end, Clock::now() + kSignalSlice), done)) {
+      if (Clock::now() >= end)
+        fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+      lock.unlock();  // the check may wait for Python's lock: never while holding ours
+      check_signals();
+      lock.lock();
+    }
   }
   rethrow();
 }
@@ -39,9 +48,8 @@ Engine::Engine(int rank, int size, std::vector<int> local_ranks, Options opt)
 
 Engine::~Engine() { close(); }
 
-void Engine::shm_create(const std::string& name) { comm_.shm->create(name); }
-void Engine::shm_attach(int rank, const std::string& name) { comm_.shm->attach(rank, name); }
-void Engine::shm_unlink() { comm_.shm->unlink(); }
+int Engine::shm_create() { return comm_.shm->create(); }
+void Engine::shm_attach(int rank, int pid, int fd) { comm_.shm->attach(rank, pid, fd); }
 
 bool Engine::cma_probe() {
   if (!comm_.shm) return false;
@@ -72,6 +80,8 @@ void Engine::start() {
 }
 
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
+  if (forked_.load(std::memory_order_relaxed))
+    fail(ErrorCode::CLOSED, -1, "the communicator belongs to the process that forked this one");
   std::unique_lock<std::mutex> lock(mu_);
   if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
   if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
@@ -160,6 +170,7 @@ void Engine::execute(Op& op) {
       run_collective(op.args, seq);
     } catch (const CommError& e) {
       error = e;
+      comm_.relay_failure(e);
       // The streams are now in an unknown state: the communicator cannot be trusted again.
       broken_ = CommError(e.code, e.peer, "an earlier operation failed: " + e.msg);
     }
@@ -229,11 +240,13 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
 }
 
 void Engine::abort() {
+  if (forked_.load()) return;  // shutting the sockets down would cut the parent's connections
   comm_.abort();
   if (p2p_) p2p_->wake();
 }
 
 void Engine::close() {
+  if (forked_.load()) return;
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (closed_) return;
@@ -248,6 +261,11 @@ void Engine::close() {
   if (!comm_.aborted.load()) comm_.say_goodbye();
   // p2p_ lives on (stopped: it answers CLOSED) so a racing post never sees it freed.
   comm_.release();
+}
+
+void Engine::forget_after_fork() {
+  forked_.store(true);
+  comm_.forget();
 }
 
 }  // namespace comm

@@ -36,9 +36,8 @@ class Engine {
   ~Engine();
 
   // Bootstrap, driven by transports/native.py in this order.
-  void shm_create(const std::string& name);
-  void shm_attach(int rank, const std::string& name);
-  void shm_unlink();
+  int shm_create();  // returns the segment's descriptor, which peers open via /proc
+  void shm_attach(int rank, int pid, int fd);
   bool cma_probe();              // can this rank read every local peer's memory?
   void set_cma(bool everywhere); // the AND of every rank's probe: all must choose alike
   // coll_fds empty: the peer is on this host and uses shared memory.
@@ -55,6 +54,12 @@ class Engine {
   std::vector<RecentOp> recent_ops() const;
   void abort();
   void close();
+  // Called in a child forked from the owning process: closes the child's copies of the
+  // connections so the parent's peers are unaffected and the parent's death stays visible
+  // to them. Afterwards every call is refused or a no-op. The engine must then never be
+  // destroyed in the child: its threads, mutexes and condition variables are the parent's
+  // (a copied condition variable with waiters would hang its destructor).
+  void forget_after_fork();
   const char* last_algorithm() const { return last_algorithm_; }
   int size() const { return comm_.size; }
 
@@ -72,6 +77,7 @@ class Engine {
   bool busy_ = false;
   bool stopping_ = false;
   bool closed_ = false;
+  std::atomic<bool> forked_{false};  // read before any lock: a copied mutex may be held
   std::optional<CommError> broken_;  // first failure: every later op fails with it
   std::thread thread_;
   const char* last_algorithm_ = "";

@@ -336,6 +336,7 @@ void P2P::finish(Pending& p, std::optional<CommError> error) {
 }
 
 void P2P::fail_all(const CommError& e) {
+  c_.relay_failure(e);
   if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
   for (PeerState& ps : peers_) {
     for (Pending& p : ps.sends) finish(p, e);
@@ -387,6 +388,19 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
   lock.unlock();
   c_.idle(spins, ready, &fds, &none);
   lock.lock();
+  for (int p = 0; p < c_.size; p++) {
+    const PeerState& ps = peers_[p];
+    if (ps.ch && ps.ch->sockets().empty()) c_.check_closed_peer(p, [&] { return stuck(ps); });
+  }
+}
+
+// Pending work with this peer that its stream cannot move now.
+bool P2P::stuck(const PeerState& ps) const {
+  Transfer probe;
+  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER;
+  if (receiving && !ps.ch->ready(probe)) return true;
+  probe.is_send = true;
+  return !ps.sends.empty() && !ps.ch->ready(probe);
 }
 
 }  // namespace comm

@@ -93,6 +93,7 @@ class P2P {
   void finish(Pending& p, std::optional<CommError> error = std::nullopt);
   void fail_all(const CommError& e);
   void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
+  bool stuck(const PeerState& ps) const;
 
   Comm& c_;
   std::vector<PeerState> peers_;

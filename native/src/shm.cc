@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -30,9 +31,9 @@ ShmDomain::ShmDomain(int rank, std::vector<int> local_ranks)
 }
 
 ShmDomain::~ShmDomain() {
-  unlink();
   for (char* b : bases_)
     if (b) munmap(b, segment_bytes());
+  if (fd_ >= 0) close(fd_);
 }
 
 size_t ShmDomain::segment_bytes() const {
@@ -44,38 +45,37 @@ int ShmDomain::local_index(int global_rank) const {
   return it == ranks_.end() ? -1 : static_cast<int>(it - ranks_.begin());
 }
 
-void ShmDomain::create(const std::string& name) {
-  int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (fd < 0) fail_errno("shm_open(" + name + ")");
-  name_ = name;
-  linked_ = true;
-  if (ftruncate(fd, static_cast<off_t>(segment_bytes())) != 0) {
-    close(fd);
-    fail_errno("ftruncate shared memory");
-  }
-  void* p = mmap(nullptr, segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+int ShmDomain::create() {
+  fd_ = memfd_create("comm-shm", MFD_CLOEXEC);
+  if (fd_ < 0) fail_errno("memfd_create");
+  // Peers open it through /proc/<pid>/fd, which already requires the same user; the mode
+  // says so too.
+  if (fchmod(fd_, 0600) != 0) fail_errno("fchmod shared memory");
+  if (ftruncate(fd_, static_cast<off_t>(segment_bytes())) != 0) fail_errno("ftruncate shared memory");
+  void* p = mmap(nullptr, segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
   if (p == MAP_FAILED) fail_errno("mmap shared memory");
   bases_[me_] = static_cast<char*>(p);
   SegHeader* h = seg(me_);  // fresh pages are zero: atomics start at 0
   h->pid = static_cast<uint64_t>(getpid());
   h->probe_addr = reinterpret_cast<uint64_t>(&probe_word);
+  return fd_;
 }
 
-void ShmDomain::attach(int global_rank, const std::string& name) {
+void ShmDomain::attach(int global_rank, int pid, int fd) {
   int local = local_index(global_rank);
   if (local < 0 || local == me_) return;
-  int fd = shm_open(name.c_str(), O_RDWR, 0600);
-  if (fd < 0) fail_errno("shm_open(" + name + ") of rank " + std::to_string(global_rank));
-  void* p = mmap(nullptr, segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);
+  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
+  int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
+  if (mine < 0)
+    fail_errno("cannot open the shared memory of rank " + std::to_string(global_rank) + " (" + path +
+               "; the rank exited, or runs as another user)");
+  struct stat st {};
+  const bool fits = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == segment_bytes();
+  void* p = fits ? mmap(nullptr, segment_bytes(), PROT_READ | PROT_WRITE, MAP_SHARED, mine, 0) : MAP_FAILED;
+  close(mine);
+  if (!fits) fail(ErrorCode::SYSTEM, global_rank, path + " is not rank " + std::to_string(global_rank) + "'s segment");
   if (p == MAP_FAILED) fail_errno("mmap shared memory of rank " + std::to_string(global_rank));
   bases_[local] = static_cast<char*>(p);
-}
-
-void ShmDomain::unlink() {
-  if (linked_) shm_unlink(name_.c_str());
-  linked_ = false;
 }
 
 Slot* ShmDomain::slot(int local, uint64_t round) const {

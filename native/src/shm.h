@@ -48,9 +48,11 @@ class ShmDomain {
   ShmDomain(const ShmDomain&) = delete;
   ShmDomain& operator=(const ShmDomain&) = delete;
 
-  void create(const std::string& name);  // O_EXCL, mode 0600
-  void attach(int global_rank, const std::string& name);
-  void unlink();  // once every local peer has attached: nothing is left behind on a crash
+  // The segment is anonymous (memfd): no name exists that could outlive the job, whatever
+  // way its ranks end. Peers map it through /proc/<pid>/fd/<fd> of the creator, which
+  // holds the descriptor until the domain is destroyed. Returns that descriptor.
+  int create();
+  void attach(int global_rank, int pid, int fd);
 
   int local_size() const { return static_cast<int>(ranks_.size()); }
   int me() const { return me_; }
@@ -94,8 +96,7 @@ class ShmDomain {
   std::vector<int> ranks_;
   int me_ = -1;
   std::vector<char*> bases_;
-  std::string name_;
-  bool linked_ = false;
+  int fd_ = -1;  // this rank's segment
 };
 
 // Byte-stream channel to one local peer through the SPSC rings of the two segments.
