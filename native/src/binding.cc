@@ -122,8 +122,16 @@ bool plain_array(PyObject* obj, bool writable, Array* out) {
     size_t i = 0;
     while (i < g_torch.dtypes.size() && g_torch.dtypes[i] != dtype.ptr()) i++;
     if (i == g_torch.dtypes.size() || !nb::cast<bool>(t.attr("is_contiguous")())) return false;
-    *out = Array{nb::cast<uintptr_t>(t.attr("data_ptr")()), nb::cast<uint64_t>(t.attr("nbytes")),
-                 static_cast<DType>(i)};
+    const auto ptr = nb::cast<uintptr_t>(t.attr("data_ptr")());
+    const auto bytes = nb::cast<uint64_t>(t.attr("nbytes"));
+    // nbytes is numel * itemsize whatever the storage holds: a storage freed or resized to 0
+    // (FSDP frees parameters so) or too small, and lazy negation views, take the full path,
+    // which refuses them (comm/buffers.py).
+    if (bytes && !ptr) return false;
+    const auto offset = nb::cast<uint64_t>(t.attr("storage_offset")()) * itemsize(static_cast<DType>(i));
+    if (nb::cast<uint64_t>(t.attr("untyped_storage")().attr("nbytes")()) < offset + bytes) return false;
+    if (nb::cast<bool>(t.attr("is_neg")())) return false;
+    *out = Array{ptr, bytes, static_cast<DType>(i)};
     return true;
   } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
     return false;
