@@ -181,6 +181,7 @@ class Stager:
             raise TransportUnavailable(f"CUDA reports no device in this process{why}")
         self._post = post
         self._pool = PinnedPool()
+        self._pending: list[StagedRequest] = []   # async operations not yet copied back
         notice_once(f"CUDA buffers on {name} are staged through pinned host memory "
                     "(a copy each way per operation)")
 
@@ -190,6 +191,12 @@ class Stager:
             (desc.recv is not None and desc.recv.device == "cuda")
 
     def post(self, desc: OpDesc, blocking: bool) -> Request:
+        # Earlier operations copy their outputs back first, in posting order: a later one must
+        # read what they wrote (stream order, as over NCCL), and an earlier copy-back must never
+        # land over a later result. Their errors surface here, as the transport's would.
+        pending, self._pending = self._pending, []
+        for earlier in pending:
+            earlier.wait(None)
         cuda = desc.recv if desc.recv is not None and desc.recv.device == "cuda" else desc.send
         device = cuda.device_index
         cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
@@ -202,7 +209,10 @@ class Stager:
         except BaseException:
             staged.release()
             raise
-        return StagedRequest(req, staged)
+        request = StagedRequest(req, staged)
+        if not blocking:
+            self._pending.append(request)
+        return request
 
     def close(self) -> None:
         self._pool.close()
