@@ -30,7 +30,8 @@ OPTIONAL = {
     "torch": (["torch"], None, None),
 }
 # Modules that exist only to serve one dependency: without it, importing them may fail, naming it.
-SERVES = {"comm.torch_backend": "torch"}
+SERVES = {"comm.torch_backend": "torch", "comm.torch_args": "torch", "comm.torch_work": "torch",
+          "comm.torch_sparse": "torch"}
 
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys

@@ -143,7 +143,8 @@ class NativeTransport(Transport):
             self._engine = self._bootstrap(ctx)
         except _native.NativeError as e:
             raise _convert(e, ctx.rank, "init") from None
-        self.run_array = self._engine.run_array
+        # COMM_DEBUG logs each algorithm choice from post(): debugging takes the full path.
+        self.run_array = None if self._debug else self._engine.run_array
         self.recent_ops = self._engine.recent_ops
 
     # ---- set-up ------------------------------------------------------------------------------
