@@ -17,6 +17,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p and not p.startswith(sys.base_prefix)))' \
     > "$(purelib "$VENV/bin/python")/main-env.pth"
 fi
+# the build backend (no build isolation: the sanitizer flags go to this one build), in the
+# main environment, which the side environment borrows
+"$PY" -m pip install -q "scikit-build-core>=1.0" "nanobind>=2.0"
 "$PY" -m pip --python "$VENV/bin/python" install -q --no-build-isolation --no-deps -e . \
   --config-settings=cmake.define.COMM_SANITIZE=ON --config-settings=build-dir=build/asan
 
