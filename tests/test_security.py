@@ -85,11 +85,9 @@ def test_fuzzed_handshake_refused(store, payload):
     assert s.get("alive") == b"1"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-@given(op=st.integers(0, 255), klen=st.integers(0, 2**32 - 1), vlen=st.integers(0, 2**32 - 1),
-       body=st.binary(max_size=64))
-def test_fuzzed_frames_after_handshake_refused(op, klen, vlen, body):
-    """An authenticated client sending malformed frames is dropped; the store lives on."""
+def _frame_after_handshake(frame: bytes) -> None:
+    """Send `frame` to a store as an authenticated client; whether the store answers or drops
+    us, it must keep serving."""
     port = free_port()
     s = Store.host_or_connect("127.0.0.1", port, rank=0, size=1, timeout=5, secret=None)
     try:
@@ -97,7 +95,7 @@ def test_fuzzed_frames_after_handshake_refused(op, klen, vlen, body):
             auth.client_handshake(sock, None, 5)
             sock.settimeout(5)
             try:  # the server may drop us at any point: that is the expected outcome
-                sock.sendall(struct.pack("!BIdI", op, klen, 1.0, vlen) + body)
+                sock.sendall(frame)
                 sock.shutdown(socket.SHUT_WR)
                 while sock.recv(4096):
                     pass
@@ -107,6 +105,14 @@ def test_fuzzed_frames_after_handshake_refused(op, klen, vlen, body):
         assert s.get("alive") == b"1"
     finally:
         s.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(op=st.integers(0, 255), klen=st.integers(0, 2**32 - 1), vlen=st.integers(0, 2**32 - 1),
+       body=st.binary(max_size=64))
+def test_fuzzed_frames_after_handshake_refused(op, klen, vlen, body):
+    """An authenticated client sending malformed frames is dropped; the store lives on."""
+    _frame_after_handshake(struct.pack("!BIdI", op, klen, 1.0, vlen) + body)
 
 
 def test_no_pickle_on_the_wire(store):
@@ -137,20 +143,4 @@ def test_fuzzed_join_refused(body):
     """Whatever a client claims in its join, the store answers or drops it; once every rank
     has joined, a misfit is refused alone and the job's store keeps serving."""
     from comm import store as store_mod
-    port = free_port()
-    s = Store.host_or_connect("127.0.0.1", port, rank=0, size=1, timeout=5, secret=None)
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-            auth.client_handshake(sock, None, 5)
-            sock.settimeout(5)
-            try:
-                sock.sendall(struct.pack("!BIdI", store_mod._JOIN, 0, 1.0, len(body)) + body)
-                sock.shutdown(socket.SHUT_WR)
-                while sock.recv(4096):
-                    pass
-            except OSError:
-                pass
-        s.set("alive", b"1")
-        assert s.get("alive") == b"1"
-    finally:
-        s.close()
+    _frame_after_handshake(struct.pack("!BIdI", store_mod._JOIN, 0, 1.0, len(body)) + body)
