@@ -35,9 +35,10 @@ _ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
 _ALL_REDUCE, _BROADCAST = int(OpKind.ALL_REDUCE), int(OpKind.BROADCAST)  # plain ints: no enum lookups
 
 
-def _row_count(v) -> int:
+def _integer(v) -> int:
+    """v as an int: any integer type (numpy's too), but not bool or float (TypeError)."""
     if isinstance(v, bool):
-        raise TypeError("bool is not a row count")
+        raise TypeError("bool is not an integer here")
     return operator.index(v)
 
 
@@ -129,8 +130,8 @@ class Communicator:
         return rop, factor
 
     def _root(self, op: str, root: int, what: str = "root") -> int:
-        try:  # any integer type (numpy's too), but not bool or float
-            rank = operator.index(root) if not isinstance(root, bool) else None
+        try:
+            rank = _integer(root)
         except TypeError:
             rank = None
         if rank is None or not 0 <= rank < self.size:
@@ -379,7 +380,7 @@ class Communicator:
                                       f"{self.size}; pass splits")
             return (rows // self.size * row,) * self.size
         try:  # integers of any kind (numpy's too); a float or bool is a bug, never a row count
-            splits = tuple(map(_row_count, splits))
+            splits = tuple(map(_integer, splits))
         except TypeError:
             raise self._error(op, f"{what} splits {splits!r} must be integers") from None
         if len(splits) != self.size:
