@@ -123,3 +123,51 @@ def test_other_group_sizes(cluster, n, algo):
 @pytest.mark.parametrize("n", [2, 5])
 def test_default_selection_over_tcp(cluster, n):
     _check(cluster, n, "ring", "tcp")
+
+
+def _half_inputs(rank: int, count: int) -> np.ndarray:
+    """float32 values that round differently as halves: ties, tiny and huge values, inf, NaN."""
+    rng = np.random.default_rng(rank)
+    x = (rng.standard_normal(count) * 10.0 ** rng.integers(-6, 5, count)).astype(np.float32)
+    x[:8] = [np.inf, -np.inf, np.nan, 0.0, -0.0, 65504.0, 1e-8, 3.0e38]
+    return x
+
+
+def half_results(world, count):
+    """Rank side: this rank's inputs and results per (dtype name, op name), as uint16 bits."""
+    import torch
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        for op in (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG,
+                   ReduceOp.PREMUL_SUM):
+            x = torch.from_numpy(_half_inputs(world.rank, count)).to(dtype)
+            world.all_reduce(x, op=op, scale=0.3 if op is ReduceOp.PREMUL_SUM else None)
+            out[str(dtype), op.name] = x.view(torch.int16).numpy().view(np.uint16)
+    return out
+
+
+@pytest.mark.parametrize("count", [1001, 70_000])   # direct and rd with a tail; the ring
+def test_half_reductions_are_rounded_once_per_step(cluster, count):
+    """fp16/bf16 reduce in float32 and round once per step: bit for bit what torch computes
+    (the vector kernels must round as the scalar ones do), NaN where torch has NaN."""
+    torch = pytest.importorskip("torch", reason="torch makes the bf16 reference")
+    results = cluster(2).run(half_results, count, timeout=300)
+    for dtype in (torch.float16, torch.bfloat16):
+        a, b = (torch.from_numpy(_half_inputs(q, count)).to(dtype).float() for q in range(2))
+        as_half = lambda v: v.to(dtype)  # noqa: E731
+        want = {
+            "SUM": as_half(a + b), "PRODUCT": as_half(a * b),
+            "MIN": as_half(torch.where(b < a, b, a)), "MAX": as_half(torch.where(a < b, b, a)),
+            "AVG": as_half(as_half(a + b).float() * 0.5),
+            "PREMUL_SUM": as_half(as_half(a * 0.3).float() + as_half(b * 0.3).float()),
+        }
+        for op, w in want.items():
+            w_bits = w.view(torch.int16).numpy().view(np.uint16)
+            nan = w.isnan().numpy()
+            for rank, got in enumerate(results):
+                bits = got[str(dtype), op]
+                got_nan = torch.from_numpy(bits.view(np.int16)).view(dtype).isnan().numpy()
+                assert (got_nan == nan).all(), f"rank {rank} {dtype} {op}: NaN where torch has none, or not"
+                wrong = np.flatnonzero((bits != w_bits) & ~nan)
+                assert wrong.size == 0, (f"rank {rank} {dtype} {op}: {wrong.size} of {count} differ, first at "
+                                         f"{wrong[0]}: {bits[wrong[0]]:#06x} vs torch {w_bits[wrong[0]]:#06x}")
