@@ -22,7 +22,7 @@ from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      TransportUnavailable, from_os_error)
 from .flight_recorder import FlightRecorder
-from .ops import DONE, BootstrapContext, OpDesc, OpKind
+from .ops import DONE, LEAN_BUSY, LEAN_RAN, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
 from .types import DType, PremulSum, ReduceOp, op_allowed
 from .work import Work
@@ -219,20 +219,13 @@ class Communicator:
         raise Aborted(f"the communicator failed earlier and takes no more work ({self._failure.cause}); "
                       "create a new one", rank=self.rank, op=op)
 
-    def _run_lean(self, op: str, run, *args):
-        """run(*args): the transport's lean path or a persistent run, one native call, under
-        _post's rules: one thread at a time, and a signal's exception aborts."""
-        if not self._busy.acquire(False):
-            raise self._overlap(op)
-        try:
-            return run(*args)
-        except Exception as e:
-            raise self._lean_failed(op, e) from None
-        except BaseException as e:  # Ctrl-C
+    def _lean_error(self, op: str, e: BaseException) -> BaseException:
+        """The exception to raise for `e`, raised by the transport's lean path or a persistent
+        run (which hold _busy as _post does): a signal handler's (Ctrl-C) aborts, as in _post."""
+        if not isinstance(e, Exception):
             self._interrupted(e, None)
-            raise
-        finally:
-            self._busy.release()
+            return e
+        return self._lean_failed(op, e)
 
     def _lean_failed(self, op: str, e: Exception) -> CommError:
         """The CommError for an exception of the transport's lean path or a persistent run."""
@@ -261,8 +254,14 @@ class Communicator:
         lean = self._lean
         if (lean is not None and scale is None and not async_op and self._failure is None
                 and not self._closed):
-            if self._run_lean("all_reduce", lean, _ALL_REDUCE, x, out, op, None, self.timeout):
+            try:
+                done = lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout)
+            except BaseException as e:
+                raise self._lean_error("all_reduce", e) from None
+            if done == LEAN_RAN:
                 return None
+            if done == LEAN_BUSY:
+                raise self._overlap("all_reduce")
         return self._post(self._all_reduce(x, op, out, scale), async_op)
 
     def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
@@ -317,8 +316,14 @@ class Communicator:
         """Copy root's x into x on every rank."""
         lean = self._lean
         if lean is not None and not async_op and self._failure is None and not self._closed:
-            if self._run_lean("broadcast", lean, _BROADCAST, x, None, 0, root, self.timeout):
+            try:
+                done = lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout)
+            except BaseException as e:
+                raise self._lean_error("broadcast", e) from None
+            if done == LEAN_RAN:
                 return None
+            if done == LEAN_BUSY:
+                raise self._overlap("broadcast")
         return self._post(self._broadcast(x, root), async_op)
 
     def broadcast_init(self, x, root: int = 0) -> Persistent:

@@ -50,7 +50,12 @@ class Persistent:
         """start() and wait(), on the caller's thread where the transport allows."""
         c, run = self._comm, self._run
         if run is not None and self._work is None and c._failure is None and not c._closed:
-            c._run_lean(self._label, run, c.timeout)
+            try:
+                ran = run(c._busy, c.timeout)
+            except BaseException as e:
+                raise c._lean_error(self._label, e) from None
+            if not ran:
+                raise c._overlap(self._label)
             return
         self._ready()
         c._post(self._desc, False, self._prepared)

@@ -41,16 +41,19 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post(self, desc: OpDesc, blocking: bool) -> Request: ...
 
-    # The lean path (optional): run_array(kind, x, out, op, root, timeout_s) runs one blocking
-    # all_reduce or broadcast in a single call and returns True, or returns False, having done
+    # The lean path (optional): run_array(busy, kind, x, out, op, root, timeout_s) runs one
+    # blocking all_reduce or broadcast in a single call, holding the communicator's `busy`
+    # lock (a threading.Lock, taken without blocking), and returns LEAN_RAN; or LEAN_BUSY,
+    # having done nothing, when another thread holds the lock; or LEAN_SKIPPED, having done
     # nothing, when its arguments are not the plain case it checks for itself (the
     # communicator then validates and posts as usual). Its exceptions go through error().
     run_array = None
 
     def prepare(self, desc: OpDesc):
         """A persistent form of the validated `desc` (comm.persistent): an object with
-        post(desc, blocking) -> Request, and optionally run(timeout_s) (start + wait in one
-        call, exceptions through error()), that refuses buffers changed since. None: the
+        post(desc, blocking) -> Request, and optionally run(busy, timeout_s) (start + wait in
+        one call under the `busy` lock as run_array takes it, False when another thread holds
+        it; exceptions through error()), that refuses buffers changed since. None: the
         communicator re-checks the buffers and posts desc on each start (the default)."""
         return None
 

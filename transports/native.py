@@ -27,6 +27,7 @@ import time
 from comm import auth, config, log
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, TransportUnavailable)
+from comm.ops import LEAN_BUSY, LEAN_RAN, LEAN_SKIPPED
 from comm.persistent import held_buffers
 from comm.types import DType, ReduceOp, op_allowed
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
@@ -39,6 +40,8 @@ except ImportError as _e:  # the extension was not built
     _IMPORT_ERROR = str(_e)
 else:  # the lean path checks reductions against the same table as the communicator
     _native.set_reducible([[op_allowed(op, dt) for dt in DType] for op in ReduceOp])
+    if (_native.LEAN_SKIPPED, _native.LEAN_RAN, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_RAN, LEAN_BUSY):
+        raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
@@ -101,7 +104,7 @@ class NativeRequest(Request):
 
 
 class NativePrepared:
-    """A persistent collective of the engine (Engine.prepare): run(timeout_s) is start +
+    """A persistent collective of the engine (Engine.prepare): run(busy, timeout_s) is start +
     wait in one native call; post() is the non-blocking start."""
 
     __slots__ = ("run", "_prepared", "_transport")

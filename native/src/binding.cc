@@ -27,6 +27,57 @@ std::array<std::array<bool, static_cast<size_t>(DType::COUNT)>, static_cast<size
 PyObject* g_ndarray = nullptr;         // numpy.ndarray: the one type the lean path reads
 PyObject* g_buffer_changed = nullptr;  // _native.BufferChanged
 
+// Attribute and method names of the hot calls, interned once at import: a C-string name
+// would be turned into a new str object on every access.
+struct Names {
+  PyObject *is_cpu, *dtype, *is_contiguous, *data_ptr, *nbytes, *storage_offset, *untyped_storage,
+      *is_neg, *acquire, *release;
+};
+Names g_names{};
+
+PyObject* intern(const char* name) { return PyUnicode_InternFromString(name); }
+
+nb::object attr(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
+
+nb::object call(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_CallMethodNoArgs(obj, name);
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
+
+// The communicator's one-collective-at-a-time lock (a threading.Lock), taken without
+// blocking for the whole of a lean or persistent call, as Communicator._post takes it.
+// Taking it here rather than in Python saves a Python frame per call: small-message
+// latency is mostly Python's per-call cost.
+class Busy {
+ public:
+  explicit Busy(nb::handle lock) : lock_(lock.ptr()) {
+    PyObject* got = PyObject_CallMethodOneArg(lock_, g_names.acquire, Py_False);
+    if (!got) throw nb::python_error();
+    held_ = got == Py_True;
+    Py_DECREF(got);
+  }
+  ~Busy() {
+    if (!held_) return;
+    // Never throws: an exception may be on its way out (it is held by nb::python_error,
+    // not by the interpreter's error indicator, so this call may run).
+    PyObject* r = PyObject_CallMethodNoArgs(lock_, g_names.release);
+    if (r) Py_DECREF(r);
+    else PyErr_WriteUnraisable(lock_);
+  }
+  Busy(const Busy&) = delete;
+  Busy& operator=(const Busy&) = delete;
+  bool held() const { return held_; }
+
+ private:
+  PyObject* lock_;
+  bool held_ = false;
+};
+
 // A buffer-protocol view, released on scope exit; ok is false (and no Python error is set)
 // when the object refuses the request (e.g. writable asked of a read-only array).
 struct View {
@@ -116,21 +167,21 @@ bool plain_array(PyObject* obj, bool writable, Array* out) {
   }
   if (!torch_loaded() || Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(g_torch.tensor)) return false;
   try {
-    nb::handle t(obj);
-    if (!nb::cast<bool>(t.attr("is_cpu"))) return false;
-    nb::object dtype = t.attr("dtype");
+    const Names& n = g_names;
+    if (attr(obj, n.is_cpu).ptr() != Py_True) return false;
+    nb::object dtype = attr(obj, n.dtype);
     size_t i = 0;
     while (i < g_torch.dtypes.size() && g_torch.dtypes[i] != dtype.ptr()) i++;
-    if (i == g_torch.dtypes.size() || !nb::cast<bool>(t.attr("is_contiguous")())) return false;
-    const auto ptr = nb::cast<uintptr_t>(t.attr("data_ptr")());
-    const auto bytes = nb::cast<uint64_t>(t.attr("nbytes"));
+    if (i == g_torch.dtypes.size() || call(obj, n.is_contiguous).ptr() != Py_True) return false;
+    const auto ptr = nb::cast<uintptr_t>(call(obj, n.data_ptr));
+    const auto bytes = nb::cast<uint64_t>(attr(obj, n.nbytes));
     // nbytes is numel * itemsize whatever the storage holds: a storage freed or resized to 0
     // (FSDP frees parameters so) or too small, and lazy negation views, take the full path,
     // which refuses them (comm/buffers.py).
     if (bytes && !ptr) return false;
-    const auto offset = nb::cast<uint64_t>(t.attr("storage_offset")()) * itemsize(static_cast<DType>(i));
-    if (nb::cast<uint64_t>(t.attr("untyped_storage")().attr("nbytes")()) < offset + bytes) return false;
-    if (nb::cast<bool>(t.attr("is_neg")())) return false;
+    const auto offset = nb::cast<uint64_t>(call(obj, n.storage_offset)) * itemsize(static_cast<DType>(i));
+    if (nb::cast<uint64_t>(call(call(obj, n.untyped_storage).ptr(), n.nbytes)) < offset + bytes) return false;
+    if (call(obj, n.is_neg).ptr() != Py_False) return false;
     *out = Array{ptr, bytes, static_cast<DType>(i)};
     return true;
   } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
@@ -144,41 +195,47 @@ void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
   if (auto op = e.post(std::move(args), true)) op->wait(timeout_s);
 }
 
+// What run_array did: nothing (take the full path), the collective, or nothing because
+// another thread holds the communicator (the caller raises its overlap error).
+enum Lean { LEAN_SKIPPED = 0, LEAN_RAN = 1, LEAN_BUSY = 2 };
+
 // The lean path of the common call: all_reduce (in place or into `out`) or broadcast of one
-// plain array, checked here and posted in one native call.
-// Returns false, having touched nothing, for anything else: the caller then takes the full
-// path, whose checks name the problem.
-bool run_array(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
-               nb::handle root_obj, double timeout_s) {
+// plain array, checked here and posted in one native call under the communicator's `busy`
+// lock. LEAN_SKIPPED, having touched nothing, for anything else: the caller then takes the
+// full path, whose checks name the problem.
+int run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
+              nb::handle root_obj, double timeout_s) {
   const auto k = static_cast<OpKind>(kind);
-  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return false;
+  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return LEAN_SKIPPED;
   if (!PyLong_Check(op_obj.ptr()) || (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())))
-    return false;
+    return LEAN_SKIPPED;
   const long op = PyLong_AsLong(op_obj.ptr());
   const long root = root_obj.is_none() ? 0 : PyLong_AsLong(root_obj.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    return false;
+    return LEAN_SKIPPED;
   }
   const bool in_place = out.is_none();
   Array send, recv;
-  if (!plain_array(x.ptr(), in_place, &send)) return false;
+  if (!plain_array(x.ptr(), in_place, &send)) return LEAN_SKIPPED;
   recv = send;
   if (!in_place && (!plain_array(out.ptr(), true, &recv) || recv.dtype != send.dtype || recv.bytes != send.bytes))
-    return false;
+    return LEAN_SKIPPED;
   OpArgs args{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
               send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
   if (k == OpKind::ALL_REDUCE) {
     if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
         !g_reducible[op][static_cast<size_t>(send.dtype)])
-      return false;
+      return LEAN_SKIPPED;
     args.op = static_cast<ReduceOp>(op);
   } else {
-    if (!in_place || root < 0 || root >= e.size()) return false;
+    if (!in_place || root < 0 || root >= e.size()) return LEAN_SKIPPED;
     args.root = static_cast<int>(root);
   }
+  Busy held(busy);
+  if (!held.held()) return LEAN_BUSY;
   post_and_wait(e, std::move(args), timeout_s);
-  return true;
+  return LEAN_RAN;
 }
 
 // One buffer of a persistent collective, as registered at set-up.
@@ -209,9 +266,9 @@ void check_held(const Held& h) {
       changed(h, "was resized, reallocated or freed");
     return;
   }
-  const auto ptr = nb::cast<uintptr_t>(h.obj.attr("data_ptr")());
-  const auto nbytes = nb::cast<size_t>(h.obj.attr("nbytes"));
-  if (ptr != h.ptr || nbytes != h.nbytes || !nb::cast<bool>(h.obj.attr("is_contiguous")()))
+  const auto ptr = nb::cast<uintptr_t>(call(obj, g_names.data_ptr));
+  const auto nbytes = nb::cast<size_t>(attr(obj, g_names.nbytes));
+  if (ptr != h.ptr || nbytes != h.nbytes || call(obj, g_names.is_contiguous).ptr() != Py_True)
     changed(h, "was resized, reallocated or freed");
 }
 
@@ -226,9 +283,14 @@ struct Prepared {
   void check() const {
     for (const Held& h : held) check_held(h);
   }
-  void run(double timeout_s) {
+  // Start and wait under the communicator's `busy` lock; false (nothing done) when another
+  // thread holds it.
+  bool run(nb::handle busy, double timeout_s) {
+    Busy held(busy);
+    if (!held.held()) return false;
     check();
     post_and_wait(*engine, args, timeout_s);
+    return true;
   }
   std::shared_ptr<Op> post(bool blocking) {
     check();
@@ -304,6 +366,12 @@ NB_MODULE(_native, m) {
       },
       "(address, readonly, C-contiguous) of a buffer-protocol object, or None.");
 
+  g_names = Names{intern("is_cpu"), intern("dtype"), intern("is_contiguous"), intern("data_ptr"),
+                  intern("nbytes"), intern("storage_offset"), intern("untyped_storage"),
+                  intern("is_neg"), intern("acquire"), intern("release")};
+  m.attr("LEAN_SKIPPED") = static_cast<int>(LEAN_SKIPPED);
+  m.attr("LEAN_RAN") = static_cast<int>(LEAN_RAN);
+  m.attr("LEAN_BUSY") = static_cast<int>(LEAN_BUSY);
   g_buffer_changed = PyErr_NewException("comm._native.BufferChanged", PyExc_ValueError, nullptr);
   m.attr("BufferChanged") = nb::handle(g_buffer_changed);
   g_ndarray = nb::object(nb::module_::import_("numpy").attr("ndarray")).release().ptr();
@@ -317,8 +385,9 @@ NB_MODULE(_native, m) {
       "Hand over comm.types.op_allowed as table[op][dtype] (the lean path checks with it).");
 
   nb::class_<Prepared>(m, "Prepared")
-      .def("run", &Prepared::run, nb::arg("timeout_s"),
-           "Check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
+      .def("run", &Prepared::run, nb::arg("busy"), nb::arg("timeout_s"),
+           "Under the lock `busy` (False, having done nothing, when another thread holds it):\n"
+           "check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
       .def("post", &Prepared::post, nb::arg("blocking"),
            "Check the buffers and post; returns a Work, or None when it already ran.");
 
@@ -365,10 +434,11 @@ NB_MODULE(_native, m) {
           "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
           "completion.")
-      .def("run_array", &run_array, nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
+      .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("timeout_s"),
-           "The lean path: True when it ran the collective, False when the arguments are "
-           "not plain numpy arrays or CPU tensors with a built-in op (take the full path).")
+           "The lean path, under the lock `busy`: LEAN_RAN when it ran the collective, LEAN_BUSY\n"
+           "when another thread holds the lock, LEAN_SKIPPED when the arguments are not plain\n"
+           "numpy arrays or CPU tensors with a built-in op (take the full path).")
       .def(
           "prepare",
           [](nb::handle self, int kind, int dtype, int op, double scale, uintptr_t send,
