@@ -104,19 +104,23 @@ def fork(world) -> None:
 
 
 def threads(world) -> None:
-    """Two threads run 300 same-signature all_reduces each on one communicator. Thread t's
-    input is t + 1 on every rank, so any other sum means the threads' calls were mixed up."""
+    """Two threads run 300 same-signature all_reduces each on one communicator (one-shot, or
+    with MODE=persistent each thread's own persistent handle). Thread t's input is t + 1 on
+    every rank, so any other sum means the threads' calls were mixed up."""
     results = {}
     start = threading.Barrier(2)
+    persistent = os.environ.get("MODE") == "persistent"
 
     def loop(t: int) -> None:
         good = bad = 0
         error = None
+        x = np.empty(4, np.float32)
+        run = world.all_reduce_init(x) if persistent else lambda: world.all_reduce(x)
         start.wait()
         for _ in range(300):
-            x = np.full(4, t + 1, np.float32)
+            x[:] = t + 1
             try:
-                world.all_reduce(x)
+                run()
             except comm.CommError as e:
                 error = (type(e).__name__, str(e))
                 break

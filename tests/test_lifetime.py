@@ -109,8 +109,9 @@ def test_fork_child_is_refused_and_parent_unaffected(channels):
     print(f"fork {channels}: parent's death noticed in {noticed * 1000:.0f} ms")
 
 
-def test_two_threads_in_collectives_are_refused():
-    reports = Job("threads", 2).finish()
+@pytest.mark.parametrize("mode", ["one-shot", "persistent"])
+def test_two_threads_in_collectives_are_refused(mode):
+    reports = Job("threads", 2, {"MODE": mode}).finish()
     per_thread = [t for rank in reports for t in rank[0]["threads"].values()]
     errors = [t["error"] for t in per_thread]
     # the overlap is refused with the rule named, and the communicator aborted on every rank
@@ -119,7 +120,7 @@ def test_two_threads_in_collectives_are_refused():
     assert all(e is not None for e in errors), f"a thread ran all 300 unhindered: {per_thread}"
     bad = sum(t["bad"] for t in per_thread)
     good = sum(t["good"] for t in per_thread)
-    print(f"threads: {good} results right, {bad} wrong before the overlap was caught; {errors}")
+    print(f"threads ({mode}): {good} results right, {bad} wrong before the overlap was caught; {errors}")
     # before the check: 249 of 300 wrong. Calls that never overlap on any rank cannot be told
     # apart, so the first one or two may still pair up wrongly; never more.
     assert bad <= 2, per_thread
