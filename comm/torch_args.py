@@ -1,11 +1,54 @@
-"""Arguments of the torch backend's calls: torch's argument forms normalised, and tensors staged
-for comm (contiguous, complex as real pairs; outputs that are not contiguous get a staging copy
-that is copied back when the operation succeeds)."""
+"""Arguments of the torch backend's calls: torch's argument forms normalised, torch's reduce ops
+as comm's, and tensors staged for comm (contiguous, complex as real pairs; outputs that are not
+contiguous get a staging copy that is copied back when the operation succeeds)."""
 from __future__ import annotations
 
 import datetime
 
 import torch
+import torch.distributed as dist
+
+from .torch_work import BACKEND, Unsupported, as_torch_error
+from .types import ReduceOp, premul_sum
+
+# ---- reduce ops ------------------------------------------------------------------------------
+_REDUCE_OPS: dict = {}   # torch's RedOpType -> comm's op (reading a pybind enum's name is slow)
+
+
+def reduce_op(op) -> ReduceOp | object:
+    """torch's ReduceOp (or RedOpType) -> comm's op; PREMUL_SUM carries its factor along."""
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    found = _REDUCE_OPS.get(kind)
+    if found is not None:
+        return found
+    name = kind.name
+    if name == "PREMUL_SUM":
+        factor = op.factor
+        return premul_sum(factor.item() if isinstance(factor, torch.Tensor) else factor)
+    if name not in ReduceOp.__members__:
+        raise as_torch_error(Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}"))
+    found = _REDUCE_OPS[kind] = ReduceOp[name]
+    return found
+
+
+def _plain_ops() -> dict:
+    """hash(torch's ReduceOp) -> comm's op, for the ops that are nothing but their type (not
+    PREMUL_SUM): torch hashes a ReduceOp as its RedOpType's value, the cheapest way to read it
+    (the blocking fast path's lookup). Checked against every op torch has, PREMUL_SUM included:
+    where the hashes are not distinct, the table is empty and every op takes reduce_op."""
+    table, hashes = {}, set()
+    for name, kind in dist.ReduceOp.RedOpType.__members__.items():
+        try:
+            op = dist._make_nccl_premul_sum(1.0) if name == "PREMUL_SUM" else dist.ReduceOp(kind)
+        except (AttributeError, RuntimeError, TypeError):
+            return {}
+        hashes.add(hash(op))
+        if name != "PREMUL_SUM" and name in ReduceOp.__members__:
+            table[hash(op)] = ReduceOp[name]
+    return table if len(hashes) == len(dist.ReduceOp.RedOpType.__members__) else {}
+
+
+PLAIN_OPS = _plain_ops()
 
 
 def real(t: torch.Tensor) -> torch.Tensor:

@@ -5,14 +5,15 @@ C++ extension is needed). Each process group lazily creates one ``comm.Communica
 type on its first operation there: CPU tensors go to COMM_TRANSPORT (default native), CUDA
 tensors to nccl, or, when the ranks agree nccl cannot serve them all, staged through pinned
 host memory over COMM_TRANSPORT (comm.staging). Connection set-up goes through the store torch
-hands to the backend factory, so every new_group / DeviceMesh dimension gets its own
-communicator without another rendezvous.
+hands to the backend factory (comm/torch_store.py), so every new_group / DeviceMesh dimension
+gets its own communicator without another rendezvous.
 
 Registration: ``import comm.torch_backend`` (or, when the package is installed, nothing: the
 ``torch.backends`` entry point calls ``comm_collectives_autoload.register`` at ``import torch``).
 
 Operations return a ``TorchWork`` (comm/torch_work.py): blocking calls run on the caller's
-thread through the communicator's blocking path; asynchronous ones complete on one completion
+thread through the communicator's blocking path (torch's own blocking all_reduce and broadcast
+of one plain CPU tensor go straight to it, checked in a few attribute reads); asynchronous ones complete on one completion
 thread per communicator, which resolves the torch futures in posting order whether or not
 anyone calls wait(), which is what DDP's communication hooks build on. Sparse all_reduce is in
 comm/torch_sparse.py.
@@ -22,8 +23,6 @@ from __future__ import annotations
 import atexit
 import datetime
 import functools
-import os
-import socket
 import threading
 import weakref
 
@@ -33,80 +32,17 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import config, rendezvous, staging
+from . import config, staging
 from .communicator import Communicator, connect
-from .store import KeyValueStore
 from .errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
-from .torch_args import by_dtype, cat, as_input, options, as_output, real, tensor_list, unpack
+from .torch_args import (PLAIN_OPS, as_input, as_output, by_dtype, cat, options, real, reduce_op, tensor_list,
+                         unpack)
 from .torch_sparse import sparse_all_reduce
-from .torch_work import Completer, TorchWork, as_torch_error, seconds
-from .types import ReduceOp, premul_sum
+from .torch_store import TorchStore
+from .torch_work import BACKEND, Completer, DoneWork, TorchWork, Unsupported, as_torch_error, seconds
 
-BACKEND = "comm"
-
-
-class Unsupported(CommError, NotImplementedError):
-    """An operation or argument this backend does not serve (torch calls it "does not support")."""
-
-
-# ---- the torch store seen through comm.store.Store's interface ------------------------------
-class TorchStore(KeyValueStore):
-    """comm.store.Store's methods over a torch.distributed Store, so transports bootstrap through
-    the store torch already set up for the group (no second rendezvous port)."""
-
-    def __init__(self, store, rank: int, size: int, timeout: float):
-        self._store, self.rank, self.size, self.timeout = store, rank, size, timeout
-
-    @classmethod
-    def connect(cls, addr: str, port: int, rank: int, size: int, timeout: float) -> "TorchStore":
-        """A client of the TCPStore torchrun's agent serves on MASTER_PORT; our keys live under
-        comm/<restart count>/ so an elastic restart never reads the previous attempt's."""
-        store = dist.TCPStore(addr, port, world_size=size, is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(dist.PrefixStore(f"comm/{attempt}/", store), rank, size, timeout)
-
-    def _fail(self, key: str, e: Exception) -> CommError:
-        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
-            return CommTimeout(f"key {key!r} did not appear in the store within {self.timeout:.0f} s "
-                               "(a rank did not arrive)", rank=self.rank, op="bootstrap")
-        return CommError(f"torch store failed on key {key!r}: {e}", rank=self.rank, op="bootstrap")
-
-    def set(self, key: str, value: bytes) -> None:
-        self._store.set(key, value)
-
-    def get(self, key: str, timeout: float | None = None) -> bytes:
-        wait = datetime.timedelta(seconds=self.timeout if timeout is None else timeout)
-        try:
-            self._store.wait([key], wait)
-            return self._store.get(key)
-        except RuntimeError as e:  # DistStoreError and friends
-            raise self._fail(key, e) from None
-
-    def add(self, key: str, amount: int) -> int:
-        return self._store.add(key, amount)
-
-    def local_address(self) -> str:
-        """An address the other ranks can reach us at: the one our route to the store's host
-        starts from (a UDP connect sends nothing); without a TCP store, the host name's."""
-        store = self._store
-        while isinstance(store, dist.PrefixStore):
-            store = store.underlying_store
-        if isinstance(store, dist.TCPStore):
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    s.connect((store.host, store.port))
-                    return s.getsockname()[0]
-                except OSError:
-                    pass
-        return rendezvous.routable_address()
-
-    def scoped(self, prefix: str, rank: int | None = None, size: int | None = None) -> TorchStore:
-        return TorchStore(dist.PrefixStore(f"{prefix}/", self._store), self.rank if rank is None else rank,
-                          self.size if size is None else size, self.timeout)
-
-    def close(self) -> None:
-        """torch owns the store."""
+_DEFAULT_TIMEOUT = datetime.timedelta(0)   # torch's options hold a negative timeout when none was set
+_STRIDED = torch.strided
 
 
 def transport_for(device: str) -> str:
@@ -124,26 +60,6 @@ def transport_for(device: str) -> str:
             pass
         return "nccl"
     raise Unsupported(f"backend {BACKEND} does not support {device} tensors (only cpu and cuda)")
-
-
-# ---- reduce ops ------------------------------------------------------------------------------
-_REDUCE_OPS: dict = {}   # torch's RedOpType -> comm's op (reading a pybind enum's name is slow)
-
-
-def reduce_op(op) -> ReduceOp | object:
-    """torch's ReduceOp (or RedOpType) -> comm's op; PREMUL_SUM carries its factor along."""
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    found = _REDUCE_OPS.get(kind)
-    if found is not None:
-        return found
-    name = kind.name
-    if name == "PREMUL_SUM":
-        factor = op.factor
-        return premul_sum(factor.item() if isinstance(factor, torch.Tensor) else factor)
-    if name not in ReduceOp.__members__:
-        raise as_torch_error(Unsupported(f"backend {BACKEND} does not support ReduceOp.{name}"))
-    found = _REDUCE_OPS[kind] = ReduceOp[name]
-    return found
 
 
 _live_groups: weakref.WeakSet = weakref.WeakSet()
@@ -278,7 +194,7 @@ class ProcessGroupComm(dist.ProcessGroup):
                 raise as_torch_error(e) from None
             for dst, src in copies:
                 dst.copy_(src)
-            return TorchWork(self, op, result, source=source, done=True)
+            return DoneWork(self, op, result)
         work = TorchWork(self, op, result, copies, source, device=device)
         try:
             comm_works = post(comm, True)
@@ -300,8 +216,31 @@ class ProcessGroupComm(dist.ProcessGroup):
             self._coalesced.append(work)
         return work
 
+    def _plain(self, op: str, run, tensors, opts, arg) -> DoneWork | None:
+        """torch's own blocking form (dist.all_reduce, dist.broadcast) on one tensor that the CPU
+        communicator takes as it is (dense, contiguous, real, on the CPU), with no timeout of its
+        own, outside a coalescing block: then `run(communicator, tensor, arg)`, its blocking call,
+        is the whole operation. None for any other call (the general path serves it)."""
+        if (not opts.asyncOp and self._coalesced is None and type(tensors) is list and len(tensors) == 1
+                and opts.timeout <= _DEFAULT_TIMEOUT):
+            t = tensors[0]
+            comm = self._comms.get("cpu")   # None: not yet, or no longer (shut down)
+            if (comm is not None and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
+                    and not t.is_complex()):
+                try:
+                    run(comm, t, arg)
+                except CommError as e:
+                    raise as_torch_error(e) from None
+                return DoneWork(self, op, [t])
+        return None
+
     # ---- reductions -------------------------------------------------------------------------
     def allreduce(self, tensors, opts=None, timeout=None, *, op=None) -> TorchWork:
+        if type(opts) is AllreduceOptions and timeout is None and op is None:
+            rop = PLAIN_OPS.get(hash(opts.reduceOp))   # None: PREMUL_SUM, or an op comm lacks
+            work = None if rop is None else self._plain("all_reduce", Communicator.all_reduce, tensors, opts, rop)
+            if work is not None:
+                return work
         opts = options(AllreduceOptions, opts, "reduceOp", timeout, reduceOp=op)
         t = self._one("all_reduce", tensor_list(tensors))
         if t.is_sparse:
@@ -436,6 +375,10 @@ class ProcessGroupComm(dist.ProcessGroup):
                             lambda c, a: [c.scatter(buf, flat, src_rank, async_op=a)], outputs, copies, opts)
 
     def broadcast(self, tensors, opts=None, timeout=None, *, root=None) -> TorchWork:
+        if type(opts) is BroadcastOptions and timeout is None and root is None:
+            work = self._plain("broadcast", Communicator.broadcast, tensors, opts, opts.rootRank)
+            if work is not None:
+                return work
         opts = options(BroadcastOptions, opts, "rootRank", timeout, rootRank=root)
         t = self._one("broadcast", tensor_list(tensors))
         copies: list = []

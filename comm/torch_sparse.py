@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from .errors import CommError, InvalidArgument
-from .torch_work import TorchWork, as_torch_error
+from .torch_work import DoneWork, as_torch_error
 
 
-def sparse_all_reduce(pg, t: torch.Tensor, opts) -> TorchWork:
+def sparse_all_reduce(pg, t: torch.Tensor, opts) -> DoneWork:
     """Runs on the caller's thread (the all-gathers depend on each other's results) and returns
     a completed Work, whether or not torch asked for an asynchronous one."""
     op = "all_reduce"
@@ -45,4 +45,4 @@ def sparse_all_reduce(pg, t: torch.Tensor, opts) -> TorchWork:
         part = torch.sparse_coo_tensor(all_indices[r][:, :k], all_values[r][:k], x.shape)
         total = part if total is None else total + part
     t.copy_(total.coalesce())
-    return TorchWork(pg, op, [t], done=True)
+    return DoneWork(pg, op, [t])

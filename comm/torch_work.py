@@ -1,7 +1,8 @@
 """The torch backend's Work, its completion thread, and its errors as torch sees them.
 
 A blocking call (torch's ``async_op=False``) runs on the caller's thread through the
-communicator's blocking path and returns a Work that is already complete. An asynchronous one
+communicator's blocking path and returns a ``DoneWork``, complete and successful from the start
+(cheap to make: on small operations the Work is a visible part of the latency). An asynchronous one
 is handed to the communicator's completion thread, which waits on the operations in posting
 order and resolves the Work's future without anyone calling wait(): DDP's communication hooks
 build on that. The future is resolved before the Work counts as done, so ``then`` callbacks
@@ -48,7 +49,14 @@ def as_torch_error(e: CommError) -> CommError:
     return e
 
 
-for _cls in (CommError, errors.InvalidArgument, CommTimeout, errors.PeerFailure, errors.Aborted,
+BACKEND = "comm"   # its torch.distributed name
+
+
+class Unsupported(CommError, NotImplementedError):
+    """An operation or argument the backend does not serve (torch calls it "does not support")."""
+
+
+for _cls in (Unsupported, CommError, errors.InvalidArgument, CommTimeout, errors.PeerFailure, errors.Aborted,
              errors.Closed, errors.Mismatch, errors.TransportUnavailable):
     _dist_class(_cls)
 
@@ -65,10 +73,7 @@ class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds `result` (the output
     tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
 
-    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None,
-                 done: bool = False):
-        """done: a blocking call's work, complete (and successful) before it is returned; it
-        skips the Event, whose construction is a visible part of a small operation's latency."""
+    def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None):
         super().__init__()
         self._pg, self._op, self._result = pg, op, result
         self._copies = copies      # (destination, staging) pairs to copy back on success
@@ -80,8 +85,8 @@ class TorchWork(dist.distributed_c10d.Work):
         self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
         self._future: torch.futures.Future | None = None   # made on first get_future()
         self._lock = threading.Lock()
-        self._done = None if done else threading.Event()   # None: done from the start
-        self._finished = done               # the outcome is known (the future may still run callbacks)
+        self._done = threading.Event()
+        self._finished = False              # the outcome is known (the future may still run callbacks)
         self._completer: int | None = None   # the thread resolving the future right now
         self._error: BaseException | None = None
 
@@ -151,7 +156,7 @@ class TorchWork(dist.distributed_c10d.Work):
         return True
 
     def is_completed(self) -> bool:
-        return self._done is None or self._done.is_set()
+        return self._done.is_set()
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -185,6 +190,29 @@ class TorchWork(dist.distributed_c10d.Work):
     def synchronize(self) -> None:
         """Block the host until the work is done (on CUDA too)."""
         self._host_wait()
+
+
+class DoneWork(TorchWork):
+    """The work of a blocking call that succeeded: complete before it is returned. It sets only
+    what differs from TorchWork's class defaults below (no Event, no lock of its own), and its
+    waits return at once."""
+
+    _copies, _source, _device, _streamed, _future = (), -1, None, None, None
+    _finished, _completer, _error = True, None, None
+    _lock = threading.Lock()   # shared: only get_future() takes it, briefly
+
+    def __init__(self, pg, op: str, result: list):
+        dist.distributed_c10d.Work.__init__(self)
+        self._pg, self._op, self._result = pg, op, result
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def _host_wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Completer:

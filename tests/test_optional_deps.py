@@ -31,7 +31,7 @@ OPTIONAL = {
 }
 # Modules that exist only to serve one dependency: without it, importing them may fail, naming it.
 SERVES = {"comm.torch_backend": "torch", "comm.torch_args": "torch", "comm.torch_work": "torch",
-          "comm.torch_sparse": "torch"}
+          "comm.torch_sparse": "torch", "comm.torch_store": "torch"}
 
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys

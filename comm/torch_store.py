@@ -1,0 +1,73 @@
+"""torch.distributed's Store seen through comm.store.Store's interface: the torch backend's
+communicators, and comm.init under torchrun (its agent already serves a TCPStore), bootstrap
+through the store torch set up, with no second rendezvous port."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch.distributed as dist
+
+from . import rendezvous
+from .errors import CommError, CommTimeout
+from .store import KeyValueStore
+
+
+class TorchStore(KeyValueStore):
+    """comm.store.Store's methods over a torch.distributed Store, so transports bootstrap through
+    the store torch already set up for the group (no second rendezvous port)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: float):
+        self._store, self.rank, self.size, self.timeout = store, rank, size, timeout
+
+    @classmethod
+    def connect(cls, addr: str, port: int, rank: int, size: int, timeout: float) -> "TorchStore":
+        """A client of the TCPStore torchrun's agent serves on MASTER_PORT; our keys live under
+        comm/<restart count>/ so an elastic restart never reads the previous attempt's."""
+        store = dist.TCPStore(addr, port, world_size=size, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return cls(dist.PrefixStore(f"comm/{attempt}/", store), rank, size, timeout)
+
+    def _fail(self, key: str, e: Exception) -> CommError:
+        if "timeout" in str(e).lower() or "timed out" in str(e).lower():
+            return CommTimeout(f"key {key!r} did not appear in the store within {self.timeout:.0f} s "
+                               "(a rank did not arrive)", rank=self.rank, op="bootstrap")
+        return CommError(f"torch store failed on key {key!r}: {e}", rank=self.rank, op="bootstrap")
+
+    def set(self, key: str, value: bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        wait = datetime.timedelta(seconds=self.timeout if timeout is None else timeout)
+        try:
+            self._store.wait([key], wait)
+            return self._store.get(key)
+        except RuntimeError as e:  # DistStoreError and friends
+            raise self._fail(key, e) from None
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def local_address(self) -> str:
+        """An address the other ranks can reach us at: the one our route to the store's host
+        starts from (a UDP connect sends nothing); without a TCP store, the host name's."""
+        store = self._store
+        while isinstance(store, dist.PrefixStore):
+            store = store.underlying_store
+        if isinstance(store, dist.TCPStore):
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    s.connect((store.host, store.port))
+                    return s.getsockname()[0]
+                except OSError:
+                    pass
+        return rendezvous.routable_address()
+
+    def scoped(self, prefix: str, rank: int | None = None, size: int | None = None) -> TorchStore:
+        return TorchStore(dist.PrefixStore(f"{prefix}/", self._store), self.rank if rank is None else rank,
+                          self.size if size is None else size, self.timeout)
+
+    def close(self) -> None:
+        """torch owns the store."""
