@@ -15,7 +15,7 @@ from . import report
 from .benchmarks import Params, load_all
 from .launch import Control, StepFailed, find_mpirun, launched, placement, self_launch
 from .measure import Options, run_row, sweep_sizes
-from .runners import ANCHORS, make_runner
+from .runners import ANCHORS, NAMES, make_runner
 
 DTYPES = {"int8": DType.INT8, "char": DType.INT8, "uint8": DType.UINT8, "int16": DType.INT16,
           "int32": DType.INT32, "int": DType.INT32, "int64": DType.INT64,
@@ -29,11 +29,13 @@ OPS = {"sum": ReduceOp.SUM, "prod": ReduceOp.PRODUCT, "product": ReduceOp.PRODUC
        "min": ReduceOp.MIN, "avg": ReduceOp.AVG, "mulsum": ReduceOp.PREMUL_SUM,
        "premul_sum": ReduceOp.PREMUL_SUM, "band": ReduceOp.BAND, "bor": ReduceOp.BOR, "bxor": ReduceOp.BXOR}
 ALL_OPS = [ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG, ReduceOp.PREMUL_SUM]
+KINDS = {"comm": "this library", "torch": "this library through torch.distributed"}
 AVERAGE_NAMES = {"0": 0, "rank0": 0, "1": 1, "avg": 1, "2": 2, "min": 2, "3": 3, "max": 3}
 
 EPILOG = """\
-transports: this library's by name (native, mpi, ucx, nccl, verbs) and the anchors
-  gloo (torch.distributed) and mpi-raw (plain mpi4py calls; needs an MPI launcher).
+transports: this library's by name (native, mpi, ucx, nccl, verbs), torch-comm (torch.distributed
+  on this library's backend "comm"), and the anchors gloo (torch.distributed) and mpi-raw (plain
+  mpi4py calls; needs an MPI launcher).
 launch: mpirun -np N python -m bench ... | torchrun --nproc-per-node N -m bench ... |
   srun -n N python -m bench ... | python -m bench --np N ... (self-launch; uses mpirun
   when mpi-raw is requested and an mpirun is found, unless --no-mpirun).
@@ -131,7 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     _apply_presets(args, list(sys.argv[1:] if argv is None else argv))
     args.transports = [t.strip() for t in (args.transport or config.get("COMM_TRANSPORT")).split(",") if t.strip()]
-    known = base.names() + list(ANCHORS)
+    known = base.names() + list(NAMES)
     unknown = [t for t in args.transports if t not in known]
     if unknown or not args.transports:
         p.error(f"--transport: unknown {', '.join(map(repr, unknown)) or 'empty list'}; known: {', '.join(known)}")
@@ -237,8 +239,7 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
             status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": f"cannot start: {e}"})
             _teardown(runner)
             continue
-        kind = "this library" if runner.kind == "comm" else "anchor"
-        pr.line(f"# Transport: {name} ({kind})")
+        pr.line(f"# Transport: {name} ({KINDS.get(runner.kind, 'anchor')})")
         try:
             rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr)
             status.append({"name": name, "kind": runner.kind, "status": "ok", "reason": None})

@@ -6,7 +6,7 @@ JSON schema "comm-bench/1" (stable; fields are only ever added, never renamed):
      "command": [argv...], "world_size": int, "launcher": str, "host": str, "time": ISO-8601 UTC,
      "settings": {"min_bytes", "max_bytes", "step_bytes", "step_factor", "iters", "warmup_iters",
                   "check", "average": "rank0"|"avg"|"min"|"max", "time_budget_s", "root"},
-     "transports": [{"name", "kind": "comm"|"anchor", "status": "ok"|"skipped"|"failed",
+     "transports": [{"name", "kind": "comm"|"torch"|"anchor", "status": "ok"|"skipped"|"failed",
                      "reason": str|null}],
      "results": [{"transport", "benchmark", "dtype": str|null, "redop": str|null, "root": int (-1: none),
                   "size_bytes": int, "count": int,
@@ -14,6 +14,7 @@ JSON schema "comm-bench/1" (stable; fields are only ever added, never renamed):
      "summary": [{"transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong": int|null}]}
     MODE = {"time_us": float, "algbw_gbps": float, "busbw_gbps": float, "wrong": int|null, "iters": int}
 
+kind "torch": this library's torch.distributed backend (transport torch-comm).
 GB/s are 1e9 bytes/s; time_us is per operation, aggregated over ranks as -a says; wrong is
 summed over ranks (null when -c 0). A missing mode (not supported by that library) is null.
 """

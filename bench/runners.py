@@ -5,7 +5,9 @@ methods on buffers it has wrapped (`wrap`), and `teardown` releases it. Operatio
 the hot path: they translate straight into one library call, nothing else.
 
     CommRunner(name)   this library's communicator on transport `name` (native, mpi, ucx, ...)
-    GlooRunner         anchor: torch.distributed with the gloo backend
+    TorchRunner(name)  torch.distributed on a backend: gloo (anchor), or torch-comm, this
+                       library's backend "comm" (its CPU transport is COMM_TRANSPORT): what
+                       torch's layer costs over the communicator's own calls
     MpiRawRunner       anchor: plain mpi4py calls on COMM_WORLD (needs an MPI launcher)
 
 Adding a runner: subclass Runner, fill in `unavailable`, `setup`, `teardown`, `supports` and
@@ -22,6 +24,8 @@ import numpy as np
 from comm.types import DType, ReduceOp
 
 ANCHORS = ("gloo", "mpi-raw")
+TORCH_BACKENDS = {"torch-comm": "comm", "gloo": "gloo"}   # runner name -> torch.distributed backend
+NAMES = ("torch-comm",) + ANCHORS   # the runners that are not one of this library's transports
 MPI_LAUNCHERS = ("openmpi", "hydra", "slurm")
 
 
@@ -29,7 +33,7 @@ class Runner:
     """The interface every benchmark uses. Buffers are numpy storage arrays passed through wrap()."""
 
     name: str = "?"
-    kind: str = "comm"            # "comm" (this library) or "anchor"
+    kind: str = "comm"            # "comm" (this library), "torch" (it, through torch.distributed) or "anchor"
     rank: int = 0
     size: int = 1
 
@@ -172,31 +176,40 @@ class PersistentCommRunner(CommRunner):
         self._run(send, recv, lambda: self.world.all_to_all_init(recv, send, recv_counts, send_counts))
 
 
-class GlooRunner(Runner):
-    """Anchor: torch.distributed's gloo backend (in-place collectives only, as torch has them)."""
+class TorchRunner(Runner):
+    """torch.distributed on one backend (in-place collectives only, as torch has them): gloo, the
+    anchor, or this library's "comm" (kind "torch")."""
 
-    name, kind = "gloo", "anchor"
-    _OPS = {"SUM": "SUM", "PRODUCT": "PRODUCT", "MIN": "MIN", "MAX": "MAX",
-            "BAND": "BAND", "BOR": "BOR", "BXOR": "BXOR"}
+    _OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")   # what gloo reduces with
+
+    def __init__(self, name: str):
+        self.name, self.backend = name, TORCH_BACKENDS[name]
+        self.kind = "anchor" if name in ANCHORS else "torch"
 
     def unavailable(self, launcher):
         try:
             import torch.distributed as dist
         except ImportError as e:
             return f"torch is not installed ({e})"
-        return None if dist.is_available() and dist.is_gloo_available() else "torch has no gloo backend"
+        if not dist.is_available():
+            return "torch has no torch.distributed"
+        if self.backend == "gloo":
+            return None if dist.is_gloo_available() else "torch has no gloo backend"
+        return None
 
     def setup(self, rank, size, addr, port, timeout):
         import torch.distributed as dist
+        if self.backend == "comm":
+            import comm.torch_backend  # noqa: F401  registers the backend
         super().setup(rank, size, addr, port, timeout)
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
         self.dist = dist
         wait = datetime.timedelta(seconds=timeout or 300)
         # our own store: a tcp:// init_method would look for torchrun's agent store instead
         self.store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=wait)
-        dist.init_process_group("gloo", store=self.store, rank=rank, world_size=size, timeout=wait)
-        self.ops = {op: getattr(dist.ReduceOp, name) for op, name in
-                    ((ReduceOp[k], v) for k, v in self._OPS.items())}
+        dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=size, timeout=wait)
+        names = self._OPS if self.backend == "gloo" else self._OPS + ("AVG",)   # comm also averages
+        self.ops = {ReduceOp[name]: getattr(dist.ReduceOp, name) for name in names}
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -206,10 +219,10 @@ class GlooRunner(Runner):
         self.store = None
 
     def supports(self, bench, dtype, op, in_place):
-        if dtype is DType.INT16:
+        if dtype is DType.INT16 and self.backend == "gloo":
             return "gloo has no int16"
         if op is not None and op not in self.ops:
-            return f"gloo has no {op.name.lower()}"
+            return f"{self.backend} has no {op.name.lower()} in torch.distributed"
         if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.is_floating:
             return "bitwise ops need integers"
         if bench in ("all_reduce", "reduce") and not in_place:
@@ -327,8 +340,8 @@ def _displaced(counts) -> tuple[list[int], list[int]]:
 
 
 def make_runner(name: str, persistent: bool = False) -> Runner:
-    if name == "gloo":
-        return GlooRunner()
+    if name in TORCH_BACKENDS:
+        return TorchRunner(name)
     if name == "mpi-raw":
         return MpiRawRunner()
     return PersistentCommRunner(name) if persistent else CommRunner(name)

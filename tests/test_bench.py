@@ -191,7 +191,8 @@ def test_every_dtype_and_op_checks_clean():
 def test_single_rank_everything(tmp_path):
     js, png = tmp_path / "r.json", tmp_path / "r.png"
     rc, text = _run(["all", "-b", "8", "-e", "1K", "-f", "32", "-n", "2", "-w", "1",
-                     "--transport", "native,gloo", "--json", str(js), *([] if NO_PLOT else ["--plot", str(png)])])
+                     "--transport", "native,torch-comm,gloo", "--json", str(js),
+                     *([] if NO_PLOT else ["--plot", str(png)])])
     assert rc == 0, text
     for name in BENCHMARKS:
         if name != "sendrecv":   # needs two ranks
@@ -203,7 +204,7 @@ def test_single_rank_everything(tmp_path):
                          "transports", "results", "summary"]
     assert list(doc["settings"]) == ["min_bytes", "max_bytes", "step_bytes", "step_factor", "iters",
                                      "warmup_iters", "check", "average", "time_budget_s", "root"]
-    assert [t["status"] for t in doc["transports"]] == ["ok", "ok"]
+    assert [(t["kind"], t["status"]) for t in doc["transports"]] == [("comm", "ok"), ("torch", "ok"), ("anchor", "ok")]
     assert list(doc["transports"][0]) == ["name", "kind", "status", "reason"]
     res = doc["results"][0]
     assert list(res) == ["transport", "benchmark", "dtype", "redop", "root", "size_bytes", "count",
@@ -238,7 +239,7 @@ def _bench_rc(args, *, hide: str = "", timeout=120):
 
 
 @pytest.mark.parametrize("args, why", [
-    (["--transport", "native,nonesuch"], "--transport: unknown 'nonesuch'; known: native, mpi, ucx, nccl, verbs, gloo, mpi-raw"),
+    (["--transport", "native,nonesuch"], "--transport: unknown 'nonesuch'; known: native, mpi, ucx, nccl, verbs, torch-comm, gloo, mpi-raw"),
     (["-b", "64M", "-e", "8"], "no size to measure: -b 67108864 is larger than -e 8"),
     (["all_reduce", "all_reducee"], "unknown benchmark all_reducee"),
     (["-d", "float128"], "unknown dtype 'float128'"),
@@ -334,11 +335,12 @@ def _check_tables(text, transports):
 @pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
 def test_self_launch_plain_processes():
     out, err = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "sendrecv", "-b", "8", "-e", "64K", "-f", "8",
-                       "--transport", "native,mpi-raw,gloo", "--no-mpirun", *QUICK])
-    _check_tables(out, ["native", "gloo"])
+                       "--transport", "native,torch-comm,mpi-raw,gloo", "--no-mpirun", *QUICK])
+    _check_tables(out, ["native", "torch-comm", "gloo"])
+    assert "# Transport: torch-comm (this library through torch.distributed)" in out
     assert "# mpi-raw: skipped: needs mpirun" in out
     assert "# nranks 2 launcher torchrun" in out
-    assert "# Comparison: all_reduce float sum" in out and "native/gloo" in out
+    assert "# Comparison: all_reduce float sum" in out and "native/gloo" in out and "torch-comm/gloo" in out
 
 
 @pytest.mark.skipif(NO_MPI_RAW is not None, reason=f"mpi-raw: {NO_MPI_RAW}")
