@@ -56,8 +56,8 @@ class Unsupported(CommError, NotImplementedError):
     """An operation or argument the backend does not serve (torch calls it "does not support")."""
 
 
-for _cls in (Unsupported, CommError, errors.InvalidArgument, CommTimeout, errors.PeerFailure, errors.Aborted,
-             errors.Closed, errors.Mismatch, errors.TransportUnavailable):
+for _cls in (CommError, errors.InvalidArgument, CommTimeout, errors.PeerFailure, errors.Aborted,
+             errors.Closed, errors.Mismatch, errors.TransportUnavailable, Unsupported):
     _dist_class(_cls)
 
 
@@ -193,9 +193,9 @@ class TorchWork(dist.distributed_c10d.Work):
 
 
 class DoneWork(TorchWork):
-    """The work of a blocking call that succeeded: complete before it is returned. It sets only
-    what differs from TorchWork's class defaults below (no Event, no lock of its own), and its
-    waits return at once."""
+    """The work of a blocking call that succeeded, complete before it is returned. Made per
+    call, so it sets only its group, op and result; the rest are class attributes (no Event,
+    no lock of its own), and its waits return at once."""
 
     _copies, _source, _device, _streamed, _future = (), -1, None, None, None
     _finished, _completer, _error = True, None, None
