@@ -64,7 +64,7 @@ def _general(pg, t, op):
 
 
 def _blocking(rank, size, port):
-    from torch._C._distributed_c10d import AllreduceOptions
+    from torch._C._distributed_c10d import AllreduceOptions, BroadcastOptions
 
     with process_group(rank, size, port) as dist:
         world, gloo = dist.group.WORLD, dist.new_group(backend="gloo")
@@ -86,6 +86,9 @@ def _blocking(rank, size, port):
                           t.tolist())
         # which path a call took: torch's blocking form the fast one, everything else the general one
         works = [world.allreduce([torch.ones(2)], o) for o in _options(dist)]
+        bopts = BroadcastOptions()
+        bopts.asyncOp, bopts.rootRank = False, 1
+        works.append(world.broadcast([torch.ones(2)], bopts))
         checks["kinds"] = [type(w).__name__ for w in works if w.wait()]
 
         # a timeout the caller set is honoured (general path), as a torch timeout error
@@ -129,5 +132,5 @@ def test_blocking_fast_path_matches_gloo_and_general_path(ranks):
                 assert fast == general, (rank, name, dtype)
         want = [float(2 * i + 5) for i in range(5)]   # (i + 1) + (i + 4)
         assert c["work"] == (True, True, True, True, True, True, True, want), rank
-        assert c["kinds"] == ["DoneWork", "TorchWork", "TorchWork"], rank
+        assert c["kinds"] == ["DoneWork", "TorchWork", "TorchWork", "DoneWork"], rank
     assert results[0]["timeout"] is True
