@@ -85,7 +85,7 @@ def _blocking(rank, size, port):
                           w.exception() is None, w.get_future().value()[0] is t, w.result()[0] is t,
                           t.tolist())
         # which path a call took: torch's blocking form the fast one, everything else the general one
-        works = [world.allreduce([torch.ones(2)], o) for o in _options(dist)]
+        works = [world.allreduce([torch.ones(2)], o) for o in _options()]
         bopts = BroadcastOptions()
         bopts.asyncOp, bopts.rootRank = False, 1
         works.append(world.broadcast([torch.ones(2)], bopts))
@@ -108,7 +108,7 @@ def _blocking(rank, size, port):
     return checks
 
 
-def _options(dist):
+def _options():
     """Options objects for: torch's blocking form, async, blocking with its own timeout."""
     from torch._C._distributed_c10d import AllreduceOptions
 
