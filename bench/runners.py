@@ -16,6 +16,7 @@ the operations, and add it to `make_runner`.
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import warnings
 
@@ -53,6 +54,11 @@ class Runner:
     def wrap(self, arr: np.ndarray, dtype: DType):
         """A numpy storage array -> what the library's calls take (no copy)."""
         return arr
+
+    def bind(self, op: str, *args):
+        """The zero-argument call a benchmark times: operation `op` on these arguments.
+        functools.partial is C, so the timed call has no Python frame of the benchmark's own."""
+        return functools.partial(getattr(self, op), *args)
 
     # ---- operations (hot path). in_place: send is recv (all_gather: send is recv's slot) ----
     def all_reduce(self, send, recv, op: ReduceOp, scale: float | None, in_place: bool): ...
@@ -139,41 +145,43 @@ class CommRunner(Runner):
 
 
 class PersistentCommRunner(CommRunner):
-    """This library's persistent collectives (--persistent): each case's handle is set up on its
-    first call (a case keeps its buffers, so new buffers mean a new case), then run."""
+    """This library's persistent collectives (--persistent): binding a case sets its handle up
+    (with the case's buffers), and the timed call is the handle itself. Operations without a
+    persistent form run as one-shot calls."""
 
     def __init__(self, name: str):
         super().__init__(name)
-        self._bufs, self._h = (None, None), None
+        self._h = None
 
-    def _run(self, send, recv, make) -> None:
-        if self._bufs[0] is not send or self._bufs[1] is not recv:
-            if self._h is not None:
-                self._h.close()
-            self._h, self._bufs = make(), (send, recv)
-        self._h()
+    def bind(self, op: str, *args):
+        init = getattr(self, f"_{op}_init", None)
+        if init is None:
+            return super().bind(op, *args)
+        if self._h is not None:   # one case at a time: the previous case is over
+            self._h.close()
+        self._h = init(*args)
+        return self._h
 
     def teardown(self):
         if self._h is not None:
             self._h.close()
-            self._h, self._bufs = None, (None, None)
+            self._h = None
         super().teardown()
 
-    def all_reduce(self, send, recv, op, scale, in_place):
-        self._run(send, recv, lambda: self.world.all_reduce_init(send, op, out=None if in_place else recv,
-                                                                 scale=scale))
+    def _all_reduce_init(self, send, recv, op, scale, in_place):
+        return self.world.all_reduce_init(send, op, out=None if in_place else recv, scale=scale)
 
-    def reduce_scatter(self, send, recv, op, scale):
-        self._run(send, recv, lambda: self.world.reduce_scatter_init(recv, send, op, scale=scale))
+    def _reduce_scatter_init(self, send, recv, op, scale):
+        return self.world.reduce_scatter_init(recv, send, op, scale=scale)
 
-    def all_gather(self, send, recv, in_place):
-        self._run(send, recv, lambda: self.world.all_gather_init(recv, send))
+    def _all_gather_init(self, send, recv, in_place):
+        return self.world.all_gather_init(recv, send)
 
-    def broadcast(self, buf, root):
-        self._run(buf, buf, lambda: self.world.broadcast_init(buf, root))
+    def _broadcast_init(self, buf, root):
+        return self.world.broadcast_init(buf, root)
 
-    def all_to_all(self, send, recv, send_counts, recv_counts):
-        self._run(send, recv, lambda: self.world.all_to_all_init(recv, send, recv_counts, send_counts))
+    def _all_to_all_init(self, send, recv, send_counts, recv_counts):
+        return self.world.all_to_all_init(recv, send, recv_counts, send_counts)
 
 
 class TorchRunner(Runner):

@@ -45,7 +45,7 @@ class AllReduce(Benchmark):
         def check():
             return count_wrong(self.name, recv, data.reduce_expected(p.count, p.dtype, p.op, p.size))
 
-        return Case(lambda: runner.all_reduce(s, r, op, scale, in_place), fill, check)
+        return Case(runner.bind("all_reduce", s, r, op, scale, in_place), fill, check)
 
 
 @register
@@ -74,7 +74,7 @@ class ReduceScatter(Benchmark):
             mine = slice(p.rank * p.count, (p.rank + 1) * p.count)
             return count_wrong(self.name, recv, data.reduce_expected(total, p.dtype, p.op, p.size)[mine])
 
-        return Case(lambda: runner.reduce_scatter(s, r, op, scale), fill, check)
+        return Case(runner.bind("reduce_scatter", s, r, op, scale), fill, check)
 
 
 @register
@@ -102,7 +102,7 @@ class AllGather(Benchmark):
             expected = np.concatenate([data.storage(data.block(c, j), p.dtype) for j in range(p.size)])
             return count_wrong(self.name, recv, expected)
 
-        return Case(lambda: runner.all_gather(s, r, in_place), fill, check)
+        return Case(runner.bind("all_gather", s, r, in_place), fill, check)
 
 
 @register
@@ -119,7 +119,7 @@ class Broadcast(Benchmark):
         def fill():
             buf[:] = source if p.rank == p.root else _out(p.count, p)
 
-        return Case(lambda: runner.broadcast(b, root), fill, lambda: count_wrong(self.name, buf, source))
+        return Case(runner.bind("broadcast", b, root), fill, lambda: count_wrong(self.name, buf, source))
 
 
 @register
@@ -145,7 +145,7 @@ class Reduce(Benchmark):
                 return 0
             return count_wrong(self.name, recv, data.reduce_expected(p.count, p.dtype, p.op, p.size))
 
-        return Case(lambda: runner.reduce(s, r, root, op, scale, in_place), fill, check)
+        return Case(runner.bind("reduce", s, r, root, op, scale, in_place), fill, check)
 
 
 def _all_to_all_case(bench: Benchmark, runner, p: Params, splits: np.ndarray) -> Case:
@@ -165,7 +165,7 @@ def _all_to_all_case(bench: Benchmark, runner, p: Params, splits: np.ndarray) ->
                                    for src, c in enumerate(recv_counts)])
         return count_wrong(bench.name, recv, expected)
 
-    return Case(lambda: runner.all_to_all(s, r, send_counts, recv_counts), fill, check)
+    return Case(runner.bind("all_to_all", s, r, send_counts, recv_counts), fill, check)
 
 
 @register
@@ -225,7 +225,7 @@ class SendRecv(Benchmark):
         def fill():
             recv[:] = _out(p.count, p)
 
-        return Case(lambda: runner.sendrecv(s, r, dst, src), fill, lambda: count_wrong(self.name, recv, expected))
+        return Case(runner.bind("sendrecv", s, r, dst, src), fill, lambda: count_wrong(self.name, recv, expected))
 
 
 @register
@@ -242,4 +242,4 @@ class Barrier(Benchmark):
         return 0, 0
 
     def case(self, runner, p, in_place):
-        return Case(runner.barrier, lambda: None, lambda: None)
+        return Case(runner.bind("barrier"), lambda: None, lambda: None)

@@ -174,7 +174,8 @@ class Comm {
   [[noreturn]] void closed_peer(int peer) const;
   std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
   std::atomic<bool> relayed_{false};
-  // Spinning only pays when every local rank has a core; oversubscribed ranks yield at once.
+  // Spinning only pays when every local rank has a core; oversubscribed ranks spin briefly
+  // (set_local_ranks_known).
   int spin_calls_ = 2000;
   Clock::duration yield_for_ = std::chrono::milliseconds(2);
   uint64_t round_ = 0;
