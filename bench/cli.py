@@ -114,8 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Presets: a benchmark name that also sets the flags the user did not give.
+# decode times microsecond operations: 20 iterations would measure noise, so it takes 2000
+# (--time-budget still cuts the slow anchors short).
 PRESETS = {"decode": {"minbytes": ("-b", "4K"), "maxbytes": ("-e", "256K"), "stepfactor": ("-f", "2"),
-                      "datatype": ("-d", "bfloat16"), "transport": ("--transport", "native,mpi-raw,gloo")}}
+                      "datatype": ("-d", "bfloat16"), "iters": ("-n", "2000"), "warmup_iters": ("-w", "200"),
+                      "transport": ("--transport", "native,mpi-raw,gloo")}}
 
 
 def _apply_presets(args, argv: list[str]) -> None:

@@ -2,7 +2,7 @@
 per token: 4 KiB to 256 KiB of bfloat16 for 7B-70B models), a latency regime.
 
 `python -m bench --np 2 decode` is a preset (bench/cli.py): bfloat16, -b 4K -e 256K -f 2,
-transports native,mpi-raw,gloo, unless those flags are given. A runner without bfloat16
+-n 2000 -w 200, transports native,mpi-raw,gloo, unless those flags are given. A runner without bfloat16
 reductions (MPI) runs float32 of the same bytes instead, so every size compares equal
 message sizes; its #wrong is checked against the float32 result.
 """
