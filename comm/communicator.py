@@ -10,6 +10,7 @@ calls fail at once with the original cause instead of hanging.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import operator
 import os
@@ -66,6 +67,12 @@ class Communicator:
         self._recorder = FlightRecorder(ctx.rank, ctx.group_name, getattr(transport, "recent_ops", None))
         self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport
         self._lean = transport.run_array  # None: every call takes the full path
+        # (request, OpDesc, recorder line) of Works dropped before their operation ended: the
+        # transport may still read or write those buffers, so they are held here until the
+        # operation is seen to end (_reap, at each post and at close). Appended by Work.__del__
+        # (a deque: append and popleft are atomic, from any thread or a garbage collection).
+        self._orphans: collections.deque = collections.deque()
+        weakref.finalize(self, _ABANDONED.extend, self._orphans)
 
     def __repr__(self) -> str:
         return f"<comm.Communicator rank {self.rank} of {self.size} on {self.transport} ({self._ctx.group_name})>"
@@ -147,6 +154,8 @@ class Communicator:
         """Post desc to the transport (or to `via`, a persistent op prepared from it).
         exclusive: a collective, which no other thread may be posting or running at the same
         time (point-to-point calls pass False: they match by peer and tag, not by order)."""
+        if self._orphans:
+            self._reap()
         if self._failure is not None or self._closed:
             self._refuse(desc.kind.label)
         if exclusive and not self._busy.acquire(False):
@@ -175,6 +184,22 @@ class Communicator:
             return Work(self, req, desc, entry)
         entry[5] = "done"
         return None
+
+    def _reap(self) -> None:
+        """Let go of dropped Works' buffers whose operations have ended; a failure among them
+        poisons the communicator as a waited one would."""
+        for _ in range(len(self._orphans)):
+            orphan = self._orphans.popleft()
+            req, desc, entry = orphan
+            try:
+                ended = req.test()
+            except CommError as e:
+                self._failed_op(desc.kind.label, e, entry)
+                continue
+            if ended:
+                entry[5] = "done"
+            else:
+                self._orphans.append(orphan)
 
     def _interrupted(self, exc: BaseException, entry) -> None:
         """A signal handler raised `exc` while this rank waited: the operation is half done, so
@@ -522,6 +547,7 @@ class Communicator:
         if self._foreign:
             return  # the parent's to close; the child's copies went at fork
         self._transport.close()
+        self._reap()  # ended now, unless the transport lets operations outlive close()
         if self._stager is not None:
             self._stager.close()
         if self._owned_store is not None:
@@ -538,6 +564,11 @@ def _set_up(rank: int, op: str, create, *args):
     except OSError as e:
         raise from_os_error(e, rank=rank, op=op) from None
 
+
+# Buffers of operations still running when their communicator was collected without close():
+# kept for the life of the process, since nothing can tell any more when the transport is
+# done with them. A leak, bounded by that mistake, instead of memory written after its free.
+_ABANDONED: list = []
 
 # Every communicator of this process, so a forked child can disown them all.
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()

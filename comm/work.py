@@ -11,7 +11,8 @@ class Work:
 
     wait(timeout=None) blocks until the operation completes (default: the communicator's
     timeout) and raises the operation's CommError if it failed; is_completed() never blocks.
-    The buffers stay referenced until the operation completes.
+    The buffers stay referenced until the operation completes, even if the Work is dropped
+    unwaited (the communicator then holds them, and releases them once it sees the end).
     """
 
     __slots__ = ("_comm", "_req", "_desc", "_entry", "_error", "_done", "_callbacks", "_lock")
@@ -25,6 +26,13 @@ class Work:
         self._done = False
         self._callbacks: list = []
         self._lock = threading.Lock()
+
+    def __del__(self) -> None:
+        # Dropped while its operation may still run (never waited, or a persistent handle
+        # dropped after start()): the transport may still write the buffers, so the
+        # communicator holds them until it sees the operation end.
+        if not self._done and self._desc is not None:
+            self._comm._orphans.append((self._req, self._desc, self._entry))
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:

@@ -27,6 +27,23 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 
+# The CPU transports the cross-transport tests run, and how their ranks are launched.
+LAUNCHERS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn"}
+
+
+def transport_params() -> list:
+    """pytest params (name, launcher) for LAUNCHERS, each skipped with the reason where its
+    transport is unavailable here."""
+    import pytest
+    from transports import base
+    params = []
+    for name, launcher in LAUNCHERS.items():
+        reason = base.unavailable_reason(name)
+        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
+        params.append(pytest.param((name, launcher), id=name, marks=marks))
+    return params
+
+
 class RanksFailed(AssertionError):
     """One or more ranks raised; the message has each failing rank's traceback."""
 

@@ -12,24 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from comm.types import DType, ReduceOp
-from harness import assert_no_problems
+from harness import assert_no_problems, transport_params
 from reference import ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, values
-from transports import base
 
-TRANSPORTS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn"}
 SIZES = [0, 1, 1001, 300_001]          # 300_001 float32 crosses the native chunk size
 
 
-def _transport_params():
-    params = []
-    for name, launcher in TRANSPORTS.items():
-        reason = base.unavailable_reason(name)
-        marks = [pytest.mark.skip(reason=f"{name}: {reason}")] if reason else []
-        params.append(pytest.param((name, launcher), id=name, marks=marks))
-    return params
-
-
-@pytest.fixture(params=_transport_params())
+@pytest.fixture(params=transport_params())
 def transport(request):
     return request.param
 

@@ -5,10 +5,13 @@ Outputs are views of larger arrays whose tail rows hold a canary: a write past t
 as a changed canary. Three layers are checked: the Communicator (clear InvalidArgument), the
 native engine when the Communicator is bypassed (it checks every count against the buffer
 sizes it is handed), and the wire (ranks that disagree on all_to_all splits both get Mismatch,
-and the receiver never takes more bytes than its slot holds)."""
+and the receiver never takes more bytes than its slot holds). And on every transport, an
+operation keeps its buffers while it runs even when the caller drops its handle and array."""
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ import comm
 from comm.buffers import as_buffer
 from comm.ops import OpDesc, OpKind
 from comm.types import DType, ReduceOp
-from harness import assert_no_problems
+from harness import assert_no_problems, transport_params
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
@@ -271,3 +274,55 @@ def splits_types(world) -> list[str]:
 
 def test_splits_must_be_integers(cluster):
     assert_no_problems(cluster(2).run(splits_types))
+
+
+# ---- a dropped handle ---------------------------------------------------------------------------
+
+def dropped_handle(world, how: str) -> list[str]:
+    """Rank 0 starts an all_reduce (async_op=True, or a persistent handle's start()) and drops
+    the handle and the array at once; rank 1 joins 0.5 s later. Meanwhile rank 0 allocates
+    arrays of the same size, which the allocator would place in the freed block: none may be
+    written. Once the operation is seen to have ended, the next call lets the dropped array go."""
+    n, problems = 1 << 14, []
+    if world.rank == 1:
+        time.sleep(0.5)
+        x = np.full(n, 2.0, np.float32)
+        world.all_reduce(x)
+        if not (x == 3.0).all():
+            problems.append(f"rank 1: all_reduce gave {x[:4]}, not 3.0")
+        world.barrier()
+        world.barrier()
+        return problems
+    x = np.ones(n, np.float32)
+    gone = weakref.ref(x)
+    if how == "async":
+        world.all_reduce(x, async_op=True)
+    else:
+        h = world.all_reduce_init(x)
+        h.start()
+        del h
+    del x
+    gc.collect()
+    victims = [np.zeros(n, np.float32) for _ in range(64)]
+    if gone() is None:
+        problems.append(f"{how}: the array was freed while its operation ran")
+    time.sleep(1.0)  # rank 1 has joined: the dropped all_reduce has ended (or, on MPI, which
+    world.barrier()  # progresses only inside its calls, ends in this barrier and is seen ended
+    world.barrier()  # at the next call)
+    written = sum(int((v != 0).any()) for v in victims)
+    if written:
+        problems.append(f"{how}: {written} arrays allocated after the drop were written")
+    if gone() is not None:
+        problems.append(f"{how}: the array is still held after its operation ended")
+    return problems
+
+
+@pytest.mark.parametrize("how", ["async", "persistent"])
+def test_dropped_handle_keeps_buffers(cluster, transport, how):
+    name, launcher = transport
+    assert_no_problems(cluster(2, name, launcher).run(dropped_handle, how))
+
+
+@pytest.fixture(params=transport_params())
+def transport(request):
+    return request.param

@@ -153,15 +153,18 @@ class ProgressThread:
             item = self._queue.get()
             if item is None:
                 return
-            fn, args, req = item
-            try:
-                fn(*args)
-                req._finish(None)
-            except BaseException as e:  # delivered to whoever waits on the request
-                req._finish(e)
-            finally:
-                with self._lock:
-                    self._pending -= 1
+            self._run(*item)
+            del item  # no reference to the op's buffers while waiting for the next one
+
+    def _run(self, fn, args, req: ThreadRequest) -> None:
+        try:
+            fn(*args)
+            req._finish(None)
+        except BaseException as e:  # delivered to whoever waits on the request
+            req._finish(e)
+        finally:
+            with self._lock:
+                self._pending -= 1
 
     def stop(self) -> None:
         self._queue.put(None)
