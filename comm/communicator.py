@@ -185,10 +185,11 @@ class Communicator:
         entry[5] = "done"
         return None
 
-    def _reap(self) -> None:
-        """Let go of dropped Works' buffers whose operations have ended; a failure among them
-        poisons the communicator as a waited one would."""
-        for _ in range(len(self._orphans)):
+    def _reap(self, most: int = 4) -> None:
+        """Let go of dropped Works' buffers whose operations have ended, looking at `most` of
+        them (oldest first: thousands of dropped receives that never match cost each post no
+        more); a failure among them poisons the communicator as a waited one would."""
+        for _ in range(min(len(self._orphans), most)):
             orphan = self._orphans.popleft()
             req, desc, entry = orphan
             try:
@@ -547,7 +548,7 @@ class Communicator:
         if self._foreign:
             return  # the parent's to close; the child's copies went at fork
         self._transport.close()
-        self._reap()  # ended now, unless the transport lets operations outlive close()
+        self._reap(len(self._orphans))  # ended now, unless the transport lets them outlive close()
         if self._stager is not None:
             self._stager.close()
         if self._owned_store is not None:

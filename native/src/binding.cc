@@ -394,7 +394,7 @@ NB_MODULE(_native, m) {
   nb::class_<Op>(m, "Work")
       .def("wait", &Op::wait, nb::arg("timeout_s"), release(),
            "Wait for completion (timeout_s < 0: no limit); raises NativeError.")
-      .def("test", &Op::test, release())
+      .def("test", &Op::test)  // one atomic load: not worth a GIL release
       .def_prop_ro(
           "source", [](const Op& op) { return op.source; },
           "A completed receive's sender (its rank in the group); -1 for other ops.");
