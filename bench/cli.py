@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mpirun", action="store_true", help="self-launch plain processes even for mpi-raw")
     p.add_argument("--time-budget", type=float, default=0.25,
                    help="seconds of timed iterations per size and mode before -n is cut (0.25; 0: never cut)")
+    p.add_argument("--runs", type=_positive(int), default=1,
+                   help="measure every transport this many times, in turn (1); the comparison gives "
+                        "the median and the range of the ratios: the machine's speed drifts between "
+                        "minutes, and a ratio is only fair within one turn")
     p.add_argument("--persistent", action="store_true",
                    help="time this library's persistent form (all_reduce_init ...: set up once, run each "
                         "iteration) instead of the one-shot calls")
@@ -220,14 +224,20 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
     _preamble(pr, args, world, opts, ctl)
     rows, status, failed = [], [], []   # failed: why the exit status is 1
     dtypes = ALL_DTYPES if args.datatype == "all" else [args.datatype]
-    for name in args.transports:
+    # Each run measures every transport in turn; one that was skipped or failed is not retried.
+    turns = [(run, name) for run in range(args.runs) for name in args.transports]
+    for run, name in turns:
+        if any(s["name"] == name and s["status"] != "ok" for s in status):
+            continue
+        if args.runs > 1 and name == args.transports[0]:
+            pr.line(f"# Run {run + 1} of {args.runs}")
         runner = make_runner(name, args.persistent)
         reasons = ctl.gather(runner.unavailable(world.launcher))
         reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
                        for r, x in enumerate(reasons) if x), None)
         if reason:
             pr.line(f"# {name}: skipped: {reason}")
-            status.append({"name": name, "kind": runner.kind, "status": "skipped", "reason": reason})
+            _set_status(status, name, runner.kind, "skipped", reason)
             continue
         port = ctl.fresh_port()
         try:
@@ -239,17 +249,18 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
         except StepFailed as e:
             failed.append(f"{name} could not start ({e})")
             pr.line(f"# {name}: failed: cannot start ({e})")
-            status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": f"cannot start: {e}"})
+            _set_status(status, name, runner.kind, "failed", f"cannot start: {e}")
             _teardown(runner)
             continue
         pr.line(f"# Transport: {name} ({KINDS.get(runner.kind, 'anchor')})")
         try:
-            rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr)
-            status.append({"name": name, "kind": runner.kind, "status": "ok", "reason": None})
+            rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run)
+            if run == 0:
+                _set_status(status, name, runner.kind, "ok", None)
         except StepFailed as e:
             failed.append(f"{name} failed ({e})")
             pr.line(f"# {name}: failed: {e}; its remaining benchmarks are skipped")
-            status.append({"name": name, "kind": runner.kind, "status": "failed", "reason": str(e)})
+            _set_status(status, name, runner.kind, "failed", str(e))
         _teardown(runner)
     table = report.comparison(rows, args.transports, ANCHORS)
     if table:
@@ -273,6 +284,12 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
     return 1 if failed else 0
 
 
+def _set_status(status: list, name: str, kind: str, state: str, reason: str | None) -> None:
+    """Record how transport `name` went, replacing what an earlier run recorded."""
+    status[:] = [s for s in status if s["name"] != name]
+    status.append({"name": name, "kind": kind, "status": state, "reason": reason})
+
+
 def _teardown(runner) -> None:
     try:
         runner.teardown()
@@ -280,7 +297,7 @@ def _teardown(runner) -> None:
         print(f"# {runner.name}: teardown: {e}", file=sys.stderr)
 
 
-def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr) -> list:
+def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run: int) -> list:
     rows = []
     for bench in benches:
         if world.size < bench.min_ranks:
@@ -305,6 +322,7 @@ def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr) -> list:
                     except StepFailed as e:
                         raise StepFailed(f"{bench.name} {report.dtype_name(dtype)} {size} B: {e}") from None
                     if row is not None:
+                        row.run = run
                         mine.append(row)
                         pr.line(report.format_row(row))
         pr.line(report.footer(mine))

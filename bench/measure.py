@@ -53,6 +53,7 @@ class Row:
     size: int
     count: int
     modes: dict = field(default_factory=dict)     # "out-of-place" / "in-place" -> Mode | None
+    run: int = 0                                   # which of --runs (0-based)
 
 
 def aggregate(times: list[float], average: int) -> float:

@@ -5,12 +5,12 @@ JSON schema "comm-bench/1" (stable; fields are only ever added, never renamed):
     {"schema": "comm-bench/1",
      "command": [argv...], "world_size": int, "launcher": str, "host": str, "time": ISO-8601 UTC,
      "settings": {"min_bytes", "max_bytes", "step_bytes", "step_factor", "iters", "warmup_iters",
-                  "check", "average": "rank0"|"avg"|"min"|"max", "time_budget_s", "root"},
+                  "check", "average": "rank0"|"avg"|"min"|"max", "time_budget_s", "root", "runs"},
      "transports": [{"name", "kind": "comm"|"torch"|"anchor", "status": "ok"|"skipped"|"failed",
                      "reason": str|null}],
      "results": [{"transport", "benchmark", "dtype": str|null, "redop": str|null, "root": int (-1: none),
                   "size_bytes": int, "count": int,
-                  "out_of_place": MODE|null, "in_place": MODE|null}],
+                  "out_of_place": MODE|null, "in_place": MODE|null, "run": int (0-based, of --runs)}],
      "summary": [{"transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong": int|null}]}
     MODE = {"time_us": float, "algbw_gbps": float, "busbw_gbps": float, "wrong": int|null, "iters": int}
 
@@ -25,6 +25,7 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -108,42 +109,53 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...])
     first anchor in the --transport list (the first transport when no anchor ran); ratio > 1 is
     faster than the anchor. Out-of-place numbers when every transport has them, else in-place;
     a '*' marks a transport whose other mode had to stand in. Unswept benchmarks (barrier)
-    show the time in us instead of busbw."""
+    show the time in us instead of busbw. With several runs (--runs): the median busbw, and
+    the median ratio with its range, each ratio taken within one run."""
     ran = [t for t in transports if any(r.transport == t for r in rows)]
     if len(ran) < 2:
         return ""
     ref = next((t for t in ran if t in anchors), ran[0])
     others = [t for t in ran if t != ref]
+    runs = sorted({r.run for r in rows})
     out = []
     for key in dict.fromkeys(_key(r) for r in rows):
         group = [r for r in rows if _key(r) == key]
         mode = common_mode(group)
-        table = {(r.transport, r.size): r for r in group}
+        table = {(r.transport, r.size, r.run): r for r in group}
         bench, dtype, op, _ = key
         timed = all(r.size == 0 for r in group)
         label = " ".join(x for x in (bench, dtype is not None and dtype_name(dtype), op is not None and op_name(op)) if x)
+        many = f", median of {len(runs)} runs, ratio range in ()" if len(runs) > 1 else ""
         out.append(f"# Comparison: {label}: {'time (us)' if timed else 'busbw (GB/s)'}, "
-                   f"{mode or 'out-of-place, * = in-place'}; ratio = speed relative to {ref}")
+                   f"{mode or 'out-of-place, * = in-place'}{many}; ratio = speed relative to {ref}")
         ratios = [f"{t}/{ref}" for t in others]
         w = max([12] + [len(x) for x in ran + ratios])
-        out.append("#" + ("%11s" % "size") + "".join("  %*s" % (w, x) for x in ran + ratios))
+        wr = max(w, 16 if many else 0)   # "1.23 (0.98-1.40)"
+        out.append("#" + ("%11s" % "size") + "".join("  %*s" % (w, x) for x in ran)
+                   + "".join("  %*s" % (wr, x) for x in ratios))
         for size in sorted({r.size for r in group}):
-            picked = {}
+            picked = {}   # transport -> ([Mode or None per run], star)
             for t in ran:
-                r = table.get((t, size))
-                m = r and (r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place")))
-                star = "*" if m and not mode and not r.modes.get("out-of-place") else " "
-                picked[t] = (m, star)
+                ms, star = [], " "
+                for run in runs:
+                    r = table.get((t, size, run))
+                    m = r and (r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place")))
+                    if m and not mode and not r.modes.get("out-of-place"):
+                        star = "*"
+                    ms.append(m or None)
+                picked[t] = (ms, star)
             line = "%12d" % size
             for t in ran:
-                m, star = picked[t]
-                value = None if m is None else (m.time_us if timed else m.busbw)
-                line += "  %*s%s" % (w - 1, "N/A" if value is None else ("%.2f" if timed else "%.3f") % value, star)
-            ref_m = picked[ref][0]
+                ms, star = picked[t]
+                values = [m.time_us if timed else m.busbw for m in ms if m is not None]
+                line += "  %*s%s" % (w - 1, ("%.2f" if timed else "%.3f") % statistics.median(values) if values else "N/A", star)
             for t in others:   # same size and factor: the busbw ratio is the inverse time ratio
-                m = picked[t][0]
-                ok = m is not None and ref_m is not None and m.time_us > 0
-                line += "  %*s" % (w, "%.2f" % (ref_m.time_us / m.time_us) if ok else "N/A")
+                pairs = zip(picked[ref][0], picked[t][0])
+                rs = [a.time_us / b.time_us for a, b in pairs if a is not None and b is not None and b.time_us > 0]
+                text = "N/A" if not rs else "%.2f" % statistics.median(rs)
+                if len(rs) > 1:
+                    text += " (%.2f-%.2f)" % (min(rs), max(rs))
+                line += "  %*s" % (wr, text)
             out.append(line)
         out.append("#")
     return "\n".join(out)
@@ -162,7 +174,7 @@ def to_json(rows: list[Row], transports: list[dict], settings: dict, argv: list[
                 "redop": None if r.op is None else OP_NAMES[r.op], "root": r.root,
                 "size_bytes": r.size, "count": r.count,
                 "out_of_place": _mode_json(r.modes.get("out-of-place")),
-                "in_place": _mode_json(r.modes.get("in-place"))} for r in rows]
+                "in_place": _mode_json(r.modes.get("in-place")), "run": r.run} for r in rows]
     summary = []
     for key in dict.fromkeys((r.transport,) + _key(r)[:3] for r in rows):
         group = [r for r in rows if (r.transport,) + _key(r)[:3] == key]
@@ -232,13 +244,14 @@ def plot(path: str, rows: list[Row], transports: list[str], log_y: bool = False)
 def _panel(ax, key: tuple, group: list[Row], transports: list[str], log_y: bool) -> None:
     mode = common_mode(group)
     for t in transports:
-        pts = []
+        per_size: dict[int, list[float]] = {}   # several with --runs: their median is drawn
         for r in group:
             if r.transport == t:
                 m = r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place"))
-                pts.append((r.size, m.busbw))
-        if pts:
-            ax.plot(*zip(*sorted(pts)), marker="o", markersize=3, label=t)
+                per_size.setdefault(r.size, []).append(m.busbw)
+        if per_size:
+            ax.plot(*zip(*sorted((size, statistics.median(v)) for size, v in per_size.items())),
+                    marker="o", markersize=3, label=t)
     bench, dtype, op, _ = key
     ax.set_title(" ".join(x for x in (bench, dtype is not None and dtype_name(dtype),
                                       op is not None and op_name(op), mode) if x))
@@ -300,4 +313,4 @@ def settings_json(opts, args) -> dict:
     return {"min_bytes": args.minbytes, "max_bytes": args.maxbytes, "step_bytes": args.stepbytes,
             "step_factor": args.stepfactor, "iters": opts.iters, "warmup_iters": opts.warmup,
             "check": opts.check, "average": AVERAGES[opts.average], "time_budget_s": opts.budget,
-            "root": opts.root}
+            "root": opts.root, "runs": args.runs}

@@ -190,7 +190,10 @@ class Communicator:
         them (oldest first: thousands of dropped receives that never match cost each post no
         more); a failure among them poisons the communicator as a waited one would."""
         for _ in range(min(len(self._orphans), most)):
-            orphan = self._orphans.popleft()
+            try:
+                orphan = self._orphans.popleft()
+            except IndexError:  # another thread (point-to-point calls) took the rest
+                return
             req, desc, entry = orphan
             try:
                 ended = req.test()

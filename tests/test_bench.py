@@ -203,12 +203,12 @@ def test_single_rank_everything(tmp_path):
     assert list(doc) == ["schema", "command", "world_size", "launcher", "host", "time", "settings",
                          "transports", "results", "summary"]
     assert list(doc["settings"]) == ["min_bytes", "max_bytes", "step_bytes", "step_factor", "iters",
-                                     "warmup_iters", "check", "average", "time_budget_s", "root"]
+                                     "warmup_iters", "check", "average", "time_budget_s", "root", "runs"]
     assert [(t["kind"], t["status"]) for t in doc["transports"]] == [("comm", "ok"), ("torch", "ok"), ("anchor", "ok")]
     assert list(doc["transports"][0]) == ["name", "kind", "status", "reason"]
     res = doc["results"][0]
     assert list(res) == ["transport", "benchmark", "dtype", "redop", "root", "size_bytes", "count",
-                         "out_of_place", "in_place"]
+                         "out_of_place", "in_place", "run"]
     assert list(res["out_of_place"]) == ["time_us", "algbw_gbps", "busbw_gbps", "wrong", "iters"]
     assert list(doc["summary"][0]) == ["transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong"]
     panels = len({(r["benchmark"], r["dtype"], r["redop"], r["root"]) for r in doc["results"] if r["size_bytes"]})
@@ -216,6 +216,42 @@ def test_single_rank_everything(tmp_path):
     assert f"# wrote {js}" in text and all(f"# wrote {f}" in text for f in files), text
     for f in files:
         _assert_png(f)
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
+def test_runs_measure_every_transport_in_turn(tmp_path):
+    js = tmp_path / "r.json"
+    rc, text = _run(["all_reduce", "-b", "8", "-e", "1K", "-f", "128", "-n", "2", "-w", "1", "--runs", "3",
+                     "--transport", "native,gloo", "--json", str(js)])
+    assert rc == 0, text
+    turns = [line for line in text.splitlines() if line.startswith(("# Run ", "# Transport: "))]
+    assert turns == [x for run in (1, 2, 3) for x in (f"# Run {run} of 3", "# Transport: native (this library)",
+                                                      "# Transport: gloo (anchor)")]
+    head = "# Comparison: all_reduce float sum: busbw (GB/s), in-place, median of 3 runs, ratio range in ()"
+    assert head in text
+    table = text.split(head)[1].splitlines()[2:5]
+    assert [line.split()[0] for line in table] == ["8", "1024", "#"]
+    for line in table[:2]:   # native, gloo, median ratio (lowest-highest)
+        ratio, spread = line.split()[3:5]
+        low, high = map(float, spread.strip("()").split("-"))
+        assert low <= float(ratio) <= high, line
+    doc = json.loads(js.read_text())
+    assert doc["settings"]["runs"] == 3
+    assert sorted((r["transport"], r["run"]) for r in doc["results"]) == sorted(
+        (t, run) for t in ("native", "gloo") for run in range(3) for _ in range(2))
+    assert [t["name"] for t in doc["transports"]] == ["native", "gloo"]
+
+
+def test_comparison_of_several_runs_takes_ratios_within_each_run():
+    def row(t, us, run):
+        return Row(t, "all_reduce", DType.FLOAT32, ReduceOp.SUM, -1, 4096, 1024,
+                   {"out-of-place": None, "in-place": Mode(us, 0, 4096 / 1e3 / us, 0, 20)}, run)
+    times = {"native": (10.0, 30.0, 10.0), "mpi-raw": (20.0, 30.0, 50.0)}
+    rows = [row(t, us, run) for run in range(3) for t, all_us in times.items() for us in [all_us[run]]]
+    lines = report.comparison(rows, ["native", "mpi-raw"], ("mpi-raw",)).splitlines()
+    assert "median of 3 runs" in lines[0]
+    # busbw: the medians; ratio: 2.0, 1.0 and 5.0 within the runs (the medians' ratio would be 3.0)
+    assert lines[2].split() == ["4096", "0.410", "0.137", "2.00", "(1.00-5.00)"]
 
 
 def _assert_png(path) -> None:
