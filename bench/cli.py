@@ -227,10 +227,10 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
     # Each run measures every transport in turn; one that was skipped or failed is not retried.
     turns = [(run, name) for run in range(args.runs) for name in args.transports]
     for run, name in turns:
-        if any(s["name"] == name and s["status"] != "ok" for s in status):
-            continue
         if args.runs > 1 and name == args.transports[0]:
             pr.line(f"# Run {run + 1} of {args.runs}")
+        if any(s["name"] == name and s["status"] != "ok" for s in status):
+            continue
         runner = make_runner(name, args.persistent)
         reasons = ctl.gather(runner.unavailable(world.launcher))
         reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
