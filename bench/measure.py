@@ -1,8 +1,9 @@
 """Timing and the sweep of one transport: warm up, time n iterations after a barrier, check.
 
-Iteration counts adapt to size: the first warmup iterations (up to 3) are timed, the ranks agree
-on the slowest rank's fastest one, and the remaining warmups and the timed iterations are cut so that each
-(size, mode) takes about --time-budget seconds (never fewer than one timed iteration).
+Iteration counts adapt to size: the first warmup iterations (up to 3) are timed, the ranks
+agree on the slowest rank's fastest one, and the remaining warmups and the timed iterations are
+cut so that each (size, mode) takes about --time-budget seconds (never fewer than one timed
+iteration).
 Small sizes therefore run the full -n, large ones fewer: a whole sweep stays short.
 """
 from __future__ import annotations

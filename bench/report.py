@@ -104,6 +104,12 @@ def common_mode(group: list[Row]) -> str | None:
     return next((m for m in MODES if all(r.modes.get(m) for r in group)), None)
 
 
+def shown_mode(row: Row, mode: str | None):
+    """The Mode of `row` a table or plot shows: `mode` (common_mode), or where the rows have
+    none in common, out-of-place if the row has it, else in-place."""
+    return row.modes.get(mode) if mode else (row.modes.get("out-of-place") or row.modes.get("in-place"))
+
+
 def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...]) -> str:
     """For each (benchmark, dtype, op): busbw of every transport per size and its ratio to the
     first anchor in the --transport list (the first transport when no anchor ran); ratio > 1 is
@@ -139,16 +145,17 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...])
                 ms, star = [], " "
                 for run in runs:
                     r = table.get((t, size, run))
-                    m = r and (r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place")))
+                    m = shown_mode(r, mode) if r else None
                     if m and not mode and not r.modes.get("out-of-place"):
                         star = "*"
-                    ms.append(m or None)
+                    ms.append(m)
                 picked[t] = (ms, star)
             line = "%12d" % size
             for t in ran:
                 ms, star = picked[t]
                 values = [m.time_us if timed else m.busbw for m in ms if m is not None]
-                line += "  %*s%s" % (w - 1, ("%.2f" if timed else "%.3f") % statistics.median(values) if values else "N/A", star)
+                text = ("%.2f" if timed else "%.3f") % statistics.median(values) if values else "N/A"
+                line += "  %*s%s" % (w - 1, text, star)
             for t in others:   # same size and factor: the busbw ratio is the inverse time ratio
                 pairs = zip(picked[ref][0], picked[t][0])
                 rs = [a.time_us / b.time_us for a, b in pairs if a is not None and b is not None and b.time_us > 0]
@@ -247,8 +254,7 @@ def _panel(ax, key: tuple, group: list[Row], transports: list[str], log_y: bool)
         per_size: dict[int, list[float]] = {}   # several with --runs: their median is drawn
         for r in group:
             if r.transport == t:
-                m = r.modes.get(mode) if mode else (r.modes.get("out-of-place") or r.modes.get("in-place"))
-                per_size.setdefault(r.size, []).append(m.busbw)
+                per_size.setdefault(r.size, []).append(shown_mode(r, mode).busbw)
         if per_size:
             ax.plot(*zip(*sorted((size, statistics.median(v)) for size, v in per_size.items())),
                     marker="o", markersize=3, label=t)

@@ -13,9 +13,10 @@ Registration: ``import comm.torch_backend`` (or, when the package is installed, 
 
 Operations return a ``TorchWork`` (comm/torch_work.py): blocking calls run on the caller's
 thread through the communicator's blocking path (torch's own blocking all_reduce and broadcast
-of one plain CPU tensor go straight to it, checked in a few attribute reads); asynchronous ones complete on one completion
-thread per communicator, which resolves the torch futures in posting order whether or not
-anyone calls wait(), which is what DDP's communication hooks build on. Sparse all_reduce is in
+of one plain CPU tensor go straight to it, checked in a few attribute reads); asynchronous
+ones complete on one completion thread per communicator, which resolves the torch futures in
+posting order whether or not anyone calls wait(), which is what DDP's communication hooks
+build on. Sparse all_reduce is in
 comm/torch_sparse.py.
 """
 from __future__ import annotations
