@@ -141,6 +141,10 @@ def threads(world) -> None:
 def sigint(world) -> None:
     """Rank 0 blocks in MODE (a collective, Work.wait or recv) that rank 1 never joins; rank 1
     blocks in a receive rank 0 never sends. The test sends rank 0 SIGINT."""
+    # Python turns SIGINT into KeyboardInterrupt only when SIGINT was not ignored at start-up,
+    # and children inherit an ignored SIGINT (nohup, `... &`, some CI runners): this rank
+    # asks for the handler it is testing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = os.environ["MODE"]
     x = np.ones(4, np.float32)
     world.barrier()
