@@ -1,9 +1,9 @@
 """The MPI transport: every operation is one mpi4py buffer call on the group's communicator.
 
-MPI brings its own collectives, so none of comm.algorithms' schedules are used here; only its
-reduction kernels, for what MPI cannot reduce itself: float16 and bfloat16 (user-defined MPI
-operations over the 16-bit storage, accumulating in float32), AVG (a sum, then a division)
-and PREMUL_SUM (a scaled copy of the input, then a sum).
+MPI brings its own collectives; only the native engine's reduction kernels (comm._native) are
+used here, for what MPI cannot reduce itself: float16 and bfloat16 (user-defined MPI operations
+over the 16-bit storage, one rounding per step as in the engine), AVG (a sum, then a scaling by
+1/n) and PREMUL_SUM (a scaled copy of the input, then a sum).
 
 By default (COMM_MPI_BOUNDED=1) every operation uses MPI's non-blocking form and waits poll
 MPI_Test against the communicator's timeout, so a rank that hangs (rather than dies: Open
@@ -16,8 +16,7 @@ import importlib.util
 
 import numpy as np
 
-from comm import config
-from comm.algorithms import reduce as kernels
+from comm import _native, config
 from comm.buffers import Buffer
 from comm.errors import (
     Aborted,
@@ -106,15 +105,15 @@ _HALF_OPS: dict = {}
 
 
 def _half_op(dtype: DType, op: ReduceOp):
-    """A commutative MPI.Op combining 16-bit float storage with comm.algorithms' kernels.
-    AVG and PREMUL_SUM are sums here (their extra steps happen outside MPI)."""
+    """A commutative MPI.Op over 16-bit float storage with the engine's kernels. AVG and
+    PREMUL_SUM are sums here (their extra steps happen outside MPI)."""
     base = ReduceOp.SUM if op in (ReduceOp.AVG, ReduceOp.PREMUL_SUM) else op
     if (dtype, base) not in _HALF_OPS:
         storage = dtype.numpy_storage
 
         def reduce_half(inbuf, inoutbuf, datatype):
             acc = np.frombuffer(inoutbuf, storage)
-            kernels.combine(base, dtype, acc, np.frombuffer(inbuf, storage))
+            _native.reduce_into(dtype, base, acc.ctypes.data, np.frombuffer(inbuf, storage).ctypes.data, acc.size)
 
         _HALF_OPS[dtype, base] = MPI.Op.Create(reduce_half, commute=True)
     return _HALF_OPS[dtype, base]
@@ -227,7 +226,7 @@ class MPITransport(Transport):
             out = desc.recv
 
             def after():
-                kernels.finalize(ReduceOp.AVG, out.dtype, self.size, out.numpy())
+                _native.scale(out.dtype, out.ptr, out.ptr, out.count, 1.0 / self.size)
         try:
             req = _CALLS[desc.kind](self, desc, not blocking or self._bounded)
         except MPI.Exception as e:
@@ -241,13 +240,13 @@ class MPITransport(Transport):
     def _prescaled(self, desc: OpDesc) -> OpDesc:
         """PREMUL_SUM: the input times scale, in the output where that is in place-safe,
         else in a temporary (the caller's input must not change)."""
-        src = desc.send.numpy()
+        src = desc.send
         if desc.kind is OpKind.REDUCE_SCATTER or desc.recv is None:
-            scaled = np.empty_like(src)
-            kernels.contribute(desc.op, desc.dtype, desc.scale, scaled, src)
-            tmp = Buffer(scaled.ctypes.data, desc.send.count, desc.dtype, (desc.send.count,), obj=scaled)
+            scaled = np.empty(src.count, desc.dtype.numpy_storage)
+            _native.scale(desc.dtype, scaled.ctypes.data, src.ptr, src.count, desc.scale)
+            tmp = Buffer(scaled.ctypes.data, src.count, desc.dtype, (src.count,), obj=scaled)
             return _replace(desc, send=tmp)
-        kernels.contribute(desc.op, desc.dtype, desc.scale, desc.recv.numpy(), src)
+        _native.scale(desc.dtype, desc.recv.ptr, src.ptr, src.count, desc.scale)
         return _replace(desc, send=desc.recv)     # now in place
 
     def abort(self) -> None:

@@ -92,9 +92,11 @@ def reduction_types(dtype: DType, op: ReduceOp) -> tuple[int, int | None]:
 
 def premul_scalar(dtype: DType, factor: float) -> np.ndarray:
     """The PREMUL_SUM factor as one element of the reduction's type (NCCL reads it as such)."""
-    if dtype is DType.BFLOAT16:  # no numpy bfloat16: round float32 to its top 16 bits
-        from comm.algorithms.reduce import f32_to_bf16
-        return f32_to_bf16(np.array([factor], np.float32))
+    if dtype is DType.BFLOAT16:  # no numpy bfloat16: the engine's kernel rounds 1.0 * factor
+        from comm import _native
+        one = np.array([0x3F80], np.uint16)  # bfloat16 1.0
+        _native.scale(dtype, one.ctypes.data, one.ctypes.data, 1, factor)
+        return one
     return np.array([factor], dtype.numpy_storage)
 
 

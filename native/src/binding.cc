@@ -348,6 +348,30 @@ NB_MODULE(_native, m) {
   signal_check = python_signal_raised;
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
   m.def("algorithm_names", &algorithm_names, "Every algorithm name COMM_ALGO may give the engine.");
+  // The engine's reduction kernels for transports that reduce outside it (MPI's user-defined
+  // operations for float16 / bfloat16, its AVG and PREMUL_SUM steps): one set of kernels, with
+  // the engine's rounding, for every transport.
+  m.def(
+      "reduce_into",
+      [](int dtype, int op, uintptr_t acc, uintptr_t in, size_t count) {
+        check_codes(0, dtype, op);
+        ReduceFn fn = reduce_fn(static_cast<DType>(dtype), static_cast<ReduceOp>(op));
+        if (!fn) fail(ErrorCode::INVALID_ARGUMENT, -1, "no reduction kernel for this dtype and op");
+        fn(reinterpret_cast<void*>(acc), reinterpret_cast<void*>(acc), reinterpret_cast<const void*>(in), count);
+      },
+      nb::arg("dtype"), nb::arg("op"), nb::arg("acc"), nb::arg("incoming"), nb::arg("count"), release(),
+      "acc[i] = acc[i] op incoming[i] for `count` elements at these addresses (AVG and PREMUL_SUM\n"
+      "reduce as SUM: scale() does their extra step).");
+  m.def(
+      "scale",
+      [](int dtype, uintptr_t out, uintptr_t in, size_t count, double factor) {
+        check_codes(0, dtype, 0);
+        ScaleFn fn = scale_fn(static_cast<DType>(dtype));
+        if (!fn) fail(ErrorCode::INVALID_ARGUMENT, -1, "scaling needs a floating-point dtype");
+        fn(reinterpret_cast<void*>(out), reinterpret_cast<const void*>(in), count, factor);
+      },
+      nb::arg("dtype"), nb::arg("out"), nb::arg("input"), nb::arg("count"), nb::arg("factor"), release(),
+      "out[i] = input[i] * factor for a floating dtype (PREMUL_SUM inputs, AVG results); out may be input.");
   // The buffer protocol from C: ~10x cheaper than numpy's __array_interface__ dict, and
   // Python's per-call cost is what bounds small-message latency.
   m.def(
