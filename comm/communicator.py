@@ -25,6 +25,7 @@ from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, P
 from .flight_recorder import FlightRecorder
 from .ops import DONE, LEAN_BUSY, LEAN_RAN, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
+from .topology import Topology
 from .types import DType, PremulSum, ReduceOp, op_allowed
 from .work import Work
 
@@ -74,6 +75,8 @@ class Communicator:
         self._orphans: collections.deque = collections.deque()
         self._reap_every = self._reap_in = 1   # posts between looks at the orphans (see _reap)
         weakref.finalize(self, _ABANDONED.extend, self._orphans)
+        self.topology = Topology.from_host_ids(ctx.host_ids or [ctx.host_id] * ctx.size, ctx.rank)
+        log.debug(ctx.rank, f"{ctx.group_name}: topology {self.topology}")
 
     def __repr__(self) -> str:
         return f"<comm.Communicator rank {self.rank} of {self.size} on {self.transport} ({self._ctx.group_name})>"
@@ -537,7 +540,8 @@ class Communicator:
         store = self._ctx.store.scoped(f"{tag}/c{color}", new_rank, len(ranks))
         ctx = BootstrapContext(new_rank, len(ranks), store, self.timeout, self._ctx.host_id,
                                self._ctx.secret, self._ctx.bind_addr,
-                               f"{self._ctx.group_name}.{tag}.c{color}", self._ctx.options)
+                               f"{self._ctx.group_name}.{tag}.c{color}", self._ctx.options,
+                               tuple(self._ctx.host_ids[r] for r in ranks) if self._ctx.host_ids else ())
         transport = _set_up(self.rank, "split", self._transport.split, color, key, ctx)
         return Communicator(transport, ctx, ranks=tuple(self.ranks[r] for r in ranks))
 
@@ -613,9 +617,11 @@ def connect(store, transport: str, group_name: str = "world", *, ranks: tuple[in
     secret = config.get("COMM_SECRET")
     if secret is None and store.size > 1:
         auth.warn_unauthenticated()
-    ctx = BootstrapContext(store.rank, store.size, store, store.timeout, rendezvous.host_id(),
+    host = rendezvous.host_id()
+    host_ids = tuple(h.decode() for h in store.all_gather("topology", host.encode())) if store.size > 1 else (host,)
+    ctx = BootstrapContext(store.rank, store.size, store, store.timeout, host,
                            secret.encode() if secret else None, rendezvous.bind_address(), group_name,
-                           options or {})
+                           options or {}, host_ids)
     log.debug(store.rank, f"{group_name}: connecting {store.size} ranks over transport {transport}")
     world = Communicator(_set_up(store.rank, "init", cls.create, ctx), ctx, ranks=ranks, owned_store=owned_store)
     log.debug(store.rank, f"{group_name}: connected")

@@ -74,6 +74,7 @@ class BootstrapContext:
     bind_addr: str | None = None
     group_name: str = "world"
     options: dict = field(default_factory=dict)
+    host_ids: tuple[str, ...] = ()   # every rank's host id, by rank (comm.topology)
 
 
 class Request(abc.ABC):

@@ -167,8 +167,13 @@ class NativeTransport(Transport):
             engine = _native.Engine(ctx.rank, ctx.size, local if len(local) > 1 else [],
                                     float(ctx.timeout), config.get("COMM_ALGO") or "",
                                     int(config.get("COMM_CHUNK_BYTES")), DIRECT_MAX_BYTES)
-            if len(local) > 1:
-                self._share_memory(engine, store, local)
+            # The two-level algorithms' grouping: as comm.topology numbers hosts.
+            labels = {h: i for i, h in reversed(list(enumerate(i["host"] for i in infos)))}
+            engine.set_hosts([labels[i["host"]] for i in infos])
+            # The store's gathers are collective: every rank joins them once some host
+            # shares memory, even a rank alone on its host.
+            if not tcp_only and len(set(labels.values())) < ctx.size:
+                self._share_memory(engine, store, local if len(local) > 1 else [])
             socks = self._connect_mesh(ctx, listener, infos, token, set(local))
         finally:
             listener.close()
@@ -186,13 +191,15 @@ class NativeTransport(Transport):
     def _share_memory(engine, store, local) -> None:
         # Anonymous segments (memfd), mapped by peers through /proc/<pid>/fd/<fd>: no name
         # exists that a rank killed at any point could leave behind.
-        fd = engine.shm_create()
+        # local empty: this rank has no local peer and only takes part in the gathers.
+        fd = engine.shm_create() if local else -1
         where = [json.loads(v) for v in store.all_gather("native/shm", json.dumps([os.getpid(), fd]).encode())]
         for r in local:
             engine.shm_attach(r, *where[r])
-        cma = engine.cma_probe()
+        cma = bool(local) and engine.cma_probe()
         votes = store.all_gather("native/cma", b"1" if cma else b"0")
-        engine.set_cma(all(votes[r] == b"1" for r in local))
+        if local:
+            engine.set_cma(all(votes[r] == b"1" for r in local))
 
     def _connect_mesh(self, ctx, listener, infos, token, local) -> dict[int, dict[int, socket.socket]]:
         """Sockets to every peer, keyed by peer and role. Lower ranks accept from higher ones."""

@@ -7,20 +7,44 @@
 
 #include "comm.h"
 #include "op.h"
+#include "topology.h"
 
 namespace comm {
 
+// The forms taking a Group run over that subset of ranks (topology.h), with roots given as
+// positions in it; the two-level algorithms are built from them. The others run over the
+// whole communicator.
 // ring.cc: bandwidth-optimal, any topology
 void ring_all_reduce(Comm& c, const Coll& op);
 void ring_reduce_scatter(Comm& c, const Coll& op);
 void ring_all_gather(Comm& c, const Coll& op);
+void ring_all_reduce(Comm& c, const Group& g, const Coll& op);
+void ring_reduce_scatter(Comm& c, const Group& g, const Coll& op);
+void ring_all_gather(Comm& c, const Group& g, const Coll& op);
+// The halves of ring_all_reduce: afterwards block g.me of `b` (over op.count) is reduced in
+// op.recv; then every block of `buf` is in place everywhere.
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b);
+void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
 // tree.cc: binomial tree, latency log2(n)
 void tree_broadcast(Comm& c, const Coll& op);
 void tree_reduce(Comm& c, const Coll& op);
 void tree_all_reduce(Comm& c, const Coll& op);
+void tree_broadcast(Comm& c, const Group& g, const Coll& op);
+void tree_reduce(Comm& c, const Group& g, const Coll& op);
 // rd.cc: recursive doubling (small all_reduce) and the dissemination barrier
 void rd_all_reduce(Comm& c, const Coll& op);
 void dissemination_barrier(Comm& c, const Coll& op);
+void rd_all_reduce(Comm& c, const Group& g, const Coll& op);
+void dissemination_barrier(Comm& c, const Group& g, const Coll& op);
+// twolevel.cc: across hosts, shared memory inside each host (Comm::hierarchical)
+void twolevel_all_reduce(Comm& c, const Coll& op);
+void twolevel_reduce_scatter(Comm& c, const Coll& op);
+void twolevel_all_gather(Comm& c, const Coll& op);
+void twolevel_broadcast(Comm& c, const Coll& op);
+void twolevel_reduce(Comm& c, const Coll& op);
+void twolevel_barrier(Comm& c, const Coll& op);
+bool twolevel_fits(const Comm& c, const Coll& op);
+bool twolevel_uniform_fits(const Comm& c, const Coll& op);  // every host holds as many ranks
 // pairwise.cc: personalised exchanges
 void pairwise_all_to_all(Comm& c, const Coll& op);
 void linear_gather(Comm& c, const Coll& op);

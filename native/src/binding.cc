@@ -437,6 +437,8 @@ NB_MODULE(_native, m) {
       .def("shm_attach", &Engine::shm_attach, release())
       .def("cma_probe", &Engine::cma_probe, release())
       .def("set_cma", &Engine::set_cma, release())
+      .def("set_hosts", &Engine::set_hosts, nb::arg("host_of"),
+           "The host of every rank (equal numbers, same host): the two-level algorithms' topology.")
       .def("add_peer", &Engine::add_peer, nb::arg("peer"), nb::arg("monitor_fd"),
            nb::arg("coll_fds"), nb::arg("p2p_fd"), release(),
            "Hand over connected sockets (the engine owns and closes them).")

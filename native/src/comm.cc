@@ -20,8 +20,16 @@ WireHeader Coll::header(size_t len) const {
   return h;
 }
 
-Comm::Comm(int rank_, int size_, Options opt_) : rank(rank_), size(size_), opt(std::move(opt_)), peers(size_) {
+static Group everyone(int rank, int size) {
+  Group g;
+  for (int r = 0; r < size; r++) g.ranks.push_back(r);
+  g.me = rank;
+  return g;
 }
+
+Comm::Comm(int rank_, int size_, Options opt_)
+    : rank(rank_), size(size_), opt(std::move(opt_)), world(everyone(rank_, size_)),
+      topo(std::vector<int>(size_, 0), rank_), peers(size_) {}
 
 Comm::~Comm() { release(); }
 

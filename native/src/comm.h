@@ -15,6 +15,7 @@
 #include "channel.h"
 #include "reduce.h"
 #include "shm.h"
+#include "topology.h"
 
 namespace comm {
 
@@ -68,6 +69,8 @@ class Comm {
   const int rank;
   const int size;
   const Options opt;
+  const Group world;  // every rank, in rank order
+  Topology topo;      // one host until the bootstrap says where every rank is (Engine::set_hosts)
   std::vector<Peer> peers;
   std::unique_ptr<ShmDomain> shm;  // null when no other rank shares this host (or tcp-only)
   bool cma = false;                // every local rank can process_vm_readv every other
@@ -77,6 +80,8 @@ class Comm {
 
   // True when every rank of the group is on this host (shared-memory-only algorithms).
   bool all_local() const { return shm && shm->local_size() == size; }
+  // The communicator spans hosts and some host holds several ranks: two levels pay.
+  bool hierarchical() const { return topo.spans_hosts() && topo.some_host_shared(); }
 
   // Drive the transfers until all complete. Transfers on the same channel and direction
   // proceed in the order given (that order is the stream order on the wire).

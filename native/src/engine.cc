@@ -60,6 +60,12 @@ bool Engine::cma_probe() {
 
 void Engine::set_cma(bool everywhere) { comm_.cma = everywhere && comm_.shm; }
 
+void Engine::set_hosts(const std::vector<int>& host_of) {
+  if (host_of.size() != static_cast<size_t>(comm_.size))
+    fail(ErrorCode::INVALID_ARGUMENT, -1, "set_hosts: one host per rank expected");
+  comm_.topo = Topology(host_of, comm_.rank);
+}
+
 void Engine::add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd) {
   Peer& p = comm_.peers[peer];
   p.monitor_fd = monitor_fd;

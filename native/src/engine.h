@@ -40,6 +40,7 @@ class Engine {
   void shm_attach(int rank, int pid, int fd);
   bool cma_probe();              // can this rank read every local peer's memory?
   void set_cma(bool everywhere); // the AND of every rank's probe: all must choose alike
+  void set_hosts(const std::vector<int>& host_of);  // every rank passes the same list
   // coll_fds empty: the peer is on this host and uses shared memory.
   void add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd);
   void start();

@@ -1,6 +1,7 @@
 // Ring algorithms: reduce-scatter then all-gather, each n-1 steps to the next rank. Every
 // rank sends (n-1)/n of the buffer per phase: bandwidth-optimal. Reduction is pipelined in
 // chunks of opt.chunk_bytes so a step's transfer overlaps the previous chunk's reduction.
+// Each runs over a Group: the whole communicator, or a subset (twolevel.cc).
 #include <cstring>
 
 #include "algorithms.h"
@@ -10,11 +11,12 @@ namespace comm {
 
 namespace {
 
-// After this, the fully reduced block `rank` of `in` is at partial(n-2, rank).
+// After this, the fully reduced block `g.me` of `in` is at partial(n-2, g.me).
 // partial(step, block) is where the partial result of `block` after `step` is written.
 template <class Partial>
-void ring_reduce_blocks(Comm& c, const Coll& op, const char* in, const Blocks& b, Partial partial) {
-  const int n = c.size, r = c.rank, next = mod(r + 1, n), prev = mod(r - 1, n);
+void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Blocks& b,
+                        Partial partial) {
+  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
   const size_t step_elems = chunk_elems(c.opt.chunk_bytes, op.elem);
   char* tmp = c.scratch(0, step_elems * op.elem);
   const WireHeader h = op.header(0);
@@ -37,9 +39,20 @@ void ring_reduce_blocks(Comm& c, const Coll& op, const char* in, const Blocks& b
   }
 }
 
-// Block `rank` of buf is in place; afterwards every block is.
-void ring_gather_blocks(Comm& c, const Coll& op, char* buf, const Blocks& b) {
-  const int n = c.size, r = c.rank, next = mod(r + 1, n), prev = mod(r - 1, n);
+}  // namespace
+
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
+  char* mine = op.recv + b.offset(g.me) * op.elem;
+  if (g.size() == 1) {
+    if (mine != op.send + b.offset(g.me) * op.elem) std::memcpy(mine, op.send + b.offset(g.me) * op.elem, b.size(g.me) * op.elem);
+    return;
+  }
+  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
+  ring_reduce_blocks(c, g, op, op.send, b, [&](int, int blk) { return op.recv + b.offset(blk) * op.elem; });
+}
+
+void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {
+  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
   const WireHeader h = op.header(0);
   for (int s = 0; s < n - 1; s++) {
     const int send_blk = mod(r - s, n), recv_blk = mod(r - s - 1, n);
@@ -48,30 +61,35 @@ void ring_gather_blocks(Comm& c, const Coll& op, char* buf, const Blocks& b) {
   }
 }
 
-}  // namespace
-
-void ring_all_reduce(Comm& c, const Coll& op) {
-  const Blocks b{op.count, c.size};
-  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
-  ring_reduce_blocks(c, op, op.send, b, [&](int, int blk) { return op.recv + b.offset(blk) * op.elem; });
-  ring_gather_blocks(c, op, op.recv, b);
+void ring_all_reduce(Comm& c, const Group& g, const Coll& op) {
+  const Blocks b{op.count, g.size()};
+  ring_reduce_to_blocks(c, g, op, b);
+  ring_gather_blocks(c, g, op, op.recv, b);
 }
 
-void ring_reduce_scatter(Comm& c, const Coll& op) {
-  const Blocks b{op.count * c.size, c.size};
+void ring_reduce_scatter(Comm& c, const Group& g, const Coll& op) {
+  const Blocks b{op.count * g.size(), g.size()};
   const size_t bytes = op.count * op.elem;
+  if (g.size() == 1) {
+    if (bytes && op.recv != op.send) std::memmove(op.recv, op.send, bytes);
+    return;
+  }
   // The output holds one block only, so partial sums alternate between two scratch blocks.
   char* partials[2] = {c.scratch(1, bytes), c.scratch(2, bytes)};
-  ring_reduce_blocks(c, op, op.send, b, [&](int step, int) {
-    return step == c.size - 2 ? op.recv : partials[step & 1];
+  ring_reduce_blocks(c, g, op, op.send, b, [&](int step, int) {
+    return step == g.size() - 2 ? op.recv : partials[step & 1];
   });
 }
 
-void ring_all_gather(Comm& c, const Coll& op) {
+void ring_all_gather(Comm& c, const Group& g, const Coll& op) {
   const size_t bytes = op.count * op.elem;
-  char* mine = op.recv + c.rank * bytes;
+  char* mine = op.recv + g.me * bytes;
   if (bytes && op.send != mine) std::memcpy(mine, op.send, bytes);
-  ring_gather_blocks(c, op, op.recv, Blocks{op.count * c.size, c.size});
+  ring_gather_blocks(c, g, op, op.recv, Blocks{op.count * g.size(), g.size()});
 }
+
+void ring_all_reduce(Comm& c, const Coll& op) { ring_all_reduce(c, c.world, op); }
+void ring_reduce_scatter(Comm& c, const Coll& op) { ring_reduce_scatter(c, c.world, op); }
+void ring_all_gather(Comm& c, const Coll& op) { ring_all_gather(c, c.world, op); }
 
 }  // namespace comm

@@ -17,7 +17,14 @@ struct Row {
   bool (*fits)(const Comm&, const Coll&);
 };
 
+// "twolevel" rows come first in their kind: across hosts they win whenever they fit.
 constexpr Row kTable[] = {
+    {"twolevel", OpKind::ALL_REDUCE, twolevel_all_reduce, twolevel_fits},
+    {"twolevel", OpKind::REDUCE_SCATTER, twolevel_reduce_scatter, twolevel_uniform_fits},
+    {"twolevel", OpKind::ALL_GATHER, twolevel_all_gather, twolevel_uniform_fits},
+    {"twolevel", OpKind::BROADCAST, twolevel_broadcast, twolevel_fits},
+    {"twolevel", OpKind::REDUCE, twolevel_reduce, twolevel_fits},
+    {"twolevel", OpKind::BARRIER, twolevel_barrier, twolevel_fits},
     {"direct", OpKind::ALL_REDUCE, direct_collective, direct_fits},
     {"cma", OpKind::ALL_REDUCE, cma_all_reduce, cma_fits},
     {"rd", OpKind::ALL_REDUCE, rd_all_reduce, anywhere},
@@ -57,10 +64,14 @@ const Row* find(const char* name, const Comm& c, const Coll& op) {
   return nullptr;
 }
 
+// COMM_ALGO=flat: the automatic choice without the two-level rows (the topology ignored).
+constexpr const char* kFlat = "flat";
+
 const Row& automatic(const Comm& c, const Coll& op) {
   const size_t bytes = (op.kind == OpKind::REDUCE_SCATTER ? c.size : 1) * op.count * op.elem;
   const Row* row = nullptr;
-  if (bytes <= c.opt.direct_max_bytes) row = find("direct", c, op);
+  if (c.opt.algo != kFlat) row = find("twolevel", c, op);
+  if (!row && bytes <= c.opt.direct_max_bytes) row = find("direct", c, op);
   if (!row && bytes >= kCmaMinBytes) row = find("cma", c, op);
   if (!row && op.kind == OpKind::ALL_REDUCE && bytes <= kRdMaxBytes) row = find("rd", c, op);
   if (!row) {
@@ -74,13 +85,13 @@ const Row& automatic(const Comm& c, const Coll& op) {
 }  // namespace
 
 Algorithm choose_algorithm(const Comm& c, const Coll& op) {
-  const Row* row = c.opt.algo.empty() ? nullptr : find(c.opt.algo.c_str(), c, op);
+  const Row* row = c.opt.algo.empty() || c.opt.algo == kFlat ? nullptr : find(c.opt.algo.c_str(), c, op);
   if (!row) row = &automatic(c, op);
   return {row->name, row->run};
 }
 
 std::vector<std::string> algorithm_names() {
-  std::vector<std::string> names;
+  std::vector<std::string> names{kFlat};
   for (const Row& row : kTable)
     if (std::find(names.begin(), names.end(), row.name) == names.end()) names.emplace_back(row.name);
   return names;
