@@ -13,7 +13,7 @@ import pytest
 
 import comm
 from harness import Cluster
-from netns import ADDRS, TwoHosts, unavailable
+from bench.cluster import NetnsCluster, unavailable
 from reference import dtypes as dtypes_here
 from transports import base
 
@@ -157,9 +157,9 @@ def test_flight_recorder_dump(tmp_path):
 
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_link_cut_between_hosts():
-    hosts = TwoHosts()
+    hosts = NetnsCluster(2)
     try:
-        c = Cluster(2, env={"MASTER_ADDR": ADDRS[0], "COMM_TIMEOUT": str(TIMEOUT)}, netns=hosts.ns)
+        c = Cluster(2, env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": str(TIMEOUT)}, netns=hosts.ns)
         try:
             c.submit(busy_loop, 60)
             time.sleep(1.5)
