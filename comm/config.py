@@ -112,7 +112,7 @@ def _ifname(s: str) -> str:
 VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs.", _transport),
     Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", _seconds(False)),
-    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination (native); ring, rd, tree (ucx, verbs). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
+    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination, twolevel (across hosts: shared memory inside each), or flat (the automatic choice without twolevel) (native); ring, rd, tree (ucx, verbs). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
     Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only).", _one_of("auto", "tcp")),
     Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", _int_at_least(1)),
     Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the native ring algorithms, in bytes.", _int_at_least(1)),
