@@ -11,9 +11,9 @@ from comm import config
 from comm.types import DType, ReduceOp, op_allowed
 from transports import base
 
-from . import report
+from . import cluster, report
 from .benchmarks import Params, load_all
-from .launch import Control, StepFailed, find_mpirun, launched, placement, self_launch
+from .launch import Control, StepFailed, find_mpirun, launch_on_hosts, launched, placement, self_launch
 from .measure import Options, run_row, sweep_sizes
 from .runners import ANCHORS, NAMES, make_runner
 
@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot-logy", action="store_true", help="log scale for busbw in the plot (small sizes readable)")
     p.add_argument("--np", type=_positive(int), default=0, help="self-launch this many local ranks")
     p.add_argument("--no-mpirun", action="store_true", help="self-launch plain processes even for mpi-raw")
+    p.add_argument("--hosts", type=_positive(int), default=0,
+                   help="self-launch on this many simulated hosts (network namespaces, root only), "
+                        "--np ranks on each")
+    p.add_argument("--link-rate", metavar="RATE", default=None,
+                   help="with --hosts: limit each host's link to RATE each way (e.g. 2gbit); the "
+                        "comparison then shows the link bound of busbw")
     p.add_argument("--time-budget", type=float, default=0.25,
                    help="seconds of timed iterations per size and mode before -n is cut (0.25; 0: never cut)")
     p.add_argument("--runs", type=_positive(int), default=1,
@@ -151,6 +157,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     missing = [n for n in args.benchmarks if n != "all" and n not in load_all()]
     if missing:
         p.error(f"unknown benchmark {', '.join(missing)}; known: {', '.join(load_all())}, all")
+    if args.hosts and not args.np:
+        p.error("--hosts needs --np (ranks on each host)")
+    if args.link_rate and not args.hosts:
+        p.error("--link-rate needs --hosts")
+    if args.link_rate:
+        try:
+            cluster.rate_bits(args.link_rate)
+        except ValueError as e:
+            p.error(f"--link-rate: {e}")
     if args.plot and report.plot_unavailable():
         p.error(f"--plot: {report.plot_unavailable()}")
     for flag, path in (("--json", args.json), ("--plot", args.plot)):
@@ -188,6 +203,8 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
     benches = _benchmarks(args, load_all())
+    if args.hosts and not launched():
+        return launch_on_hosts(raw, args.hosts, args.np, args.link_rate, err or sys.stderr)
     if args.np and not launched():
         use_mpirun = "mpi-raw" in args.transports and not args.no_mpirun
         if use_mpirun and find_mpirun() is None:
@@ -262,7 +279,15 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
             pr.line(f"# {name}: failed: {e}; its remaining benchmarks are skipped")
             _set_status(status, name, runner.kind, "failed", str(e))
         _teardown(runner)
-    table = report.comparison(rows, args.transports, ANCHORS)
+    bounds = None
+    if args.link_rate:
+        per_host = world.size // args.hosts
+        bounds = {b.name: cluster.link_bound(b.name, args.hosts, per_host, args.link_rate) for b in benches}
+        for name, bound in bounds.items():
+            if bound:
+                pr.line(f"# link bound of {name}: busbw <= {bound:.3f} GB/s ({args.hosts} hosts x {per_host} "
+                        f"ranks, links of {args.link_rate} each way)")
+    table = report.comparison(rows, args.transports, ANCHORS, bounds)
     if table:
         pr.line(table)
     if any(m.wrong for r in rows for m in r.modes.values() if m is not None):

@@ -45,6 +45,24 @@ def rate_bits(rate: str) -> int:
     return int(float(m.group(1)) * {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)])
 
 
+def link_bound(benchmark: str, hosts: int, per_host: int, rate: str) -> float | None:
+    """The highest busbw (GB/s, nccl-tests' factors) that links of `rate` each way allow for
+    `benchmark` on hosts x per_host ranks, counting what must leave each host: an all_reduce
+    sends 2(H-1)/H of the buffer out of every host, reduce_scatter / all_gather (H-1)/H of the
+    whole, all_to_all per_host (H-1)/H of one rank's buffer, broadcast / reduce the buffer once.
+    None for benchmarks it does not know. Raw link rate: TCP/IP headers take ~4% of it."""
+    n, link = hosts * per_host, rate_bits(rate) / 8 / 1e9
+    if hosts < 2:
+        return None
+    if benchmark in ("all_reduce", "reduce_scatter", "all_gather", "decode"):
+        return (n - 1) / n * hosts / (hosts - 1) * link
+    if benchmark in ("all_to_all", "all_to_all_v"):
+        return (n - 1) / n * hosts / ((hosts - 1) * per_host) * link
+    if benchmark in ("broadcast", "reduce"):
+        return link
+    return None
+
+
 def _ip(*args: str) -> None:
     r = subprocess.run(["ip", *args], capture_output=True, text=True)
     if r.returncode != 0:

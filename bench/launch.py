@@ -151,8 +151,7 @@ def _mpirun_command(mpirun: str, n: int) -> list[str]:
     return cmd + ["-np", str(n)]
 
 
-def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
-    """Run `python -m bench argv` as n local ranks; returns the job's exit status."""
+def _child_env() -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
@@ -161,6 +160,12 @@ def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
+    return env
+
+
+def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
+    """Run `python -m bench argv` as n local ranks; returns the job's exit status."""
+    env = _child_env()
     env["MASTER_ADDR"], env["MASTER_PORT"] = "127.0.0.1", str(rendezvous.free_port())
     child = [sys.executable, "-m", "bench"] + argv
     mpirun = find_mpirun() if use_mpirun else None
@@ -169,6 +174,26 @@ def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     else:
         cmds = [(child, dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                              LOCAL_WORLD_SIZE=str(n))) for r in range(n)]
+    return _run_ranks(lambda: [subprocess.Popen(cmd, env=e, start_new_session=True) for cmd, e in cmds])
+
+
+def launch_on_hosts(argv: list[str], hosts: int, per_host: int, link_rate: str | None, err) -> int:
+    """Run `python -m bench argv` as per_host ranks on each of `hosts` simulated hosts
+    (bench.cluster), their links limited to link_rate; returns the job's exit status."""
+    from .cluster import NetnsCluster, unavailable
+    why = unavailable()
+    if why:
+        print(f"--hosts: {why}", file=err)
+        return 2
+    child = [sys.executable, "-m", "bench"] + argv
+    with NetnsCluster(hosts, link_rate) as cluster:   # a fresh namespace: every port is free
+        # gloo takes the address the host name resolves to (loopback here) unless told
+        env = dict(_child_env(), GLOO_SOCKET_IFNAME=cluster.dev)
+        return _run_ranks(lambda: cluster.launch(child, per_host, env, master_port=rendezvous.DEFAULT_PORT))
+
+
+def _run_ranks(start) -> int:
+    """Start the ranks (start() returns their processes) and wait for them all."""
     procs: list[subprocess.Popen] = []
 
     def stop(signum, frame):   # killed ourselves (timeout, scheduler): take the ranks along
@@ -178,7 +203,7 @@ def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
     try:
-        procs += [subprocess.Popen(cmd, env=e, start_new_session=True) for cmd, e in cmds]
+        procs += start()
         return _wait_all(procs)
     except KeyboardInterrupt:
         _kill(procs)

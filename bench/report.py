@@ -110,15 +110,17 @@ def shown_mode(row: Row, mode: str | None):
     return row.modes.get(mode) if mode else (row.modes.get("out-of-place") or row.modes.get("in-place"))
 
 
-def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...]) -> str:
+def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...],
+               bounds: dict[str, float] | None = None) -> str:
     """For each (benchmark, dtype, op): busbw of every transport per size and its ratio to the
     first anchor in the --transport list (the first transport when no anchor ran); ratio > 1 is
-    faster than the anchor. Out-of-place numbers when every transport has them, else in-place;
+    faster than the anchor; `bounds` (benchmark -> GB/s, a simulated cluster's link bound) adds
+    a column. Out-of-place numbers when every transport has them, else in-place;
     a '*' marks a transport whose other mode had to stand in. Unswept benchmarks (barrier)
     show the time in us instead of busbw. With several runs (--runs): the median busbw, and
     the median ratio with its range, each ratio taken within one run."""
     ran = [t for t in transports if any(r.transport == t for r in rows)]
-    if len(ran) < 2:
+    if len(ran) < 2 and not bounds:
         return ""
     ref = next((t for t in ran if t in anchors), ran[0])
     others = [t for t in ran if t != ref]
@@ -135,10 +137,11 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...])
         out.append(f"# Comparison: {label}: {'time (us)' if timed else 'busbw (GB/s)'}, "
                    f"{mode or 'out-of-place, * = in-place'}{many}; ratio = speed relative to {ref}")
         ratios = [f"{t}/{ref}" for t in others]
+        bound = (bounds or {}).get(bench)
         w = max([12] + [len(x) for x in ran + ratios])
         wr = max(w, 16 if many else 0)   # "1.23 (0.98-1.40)"
         out.append("#" + ("%11s" % "size") + "".join("  %*s" % (w, x) for x in ran)
-                   + "".join("  %*s" % (wr, x) for x in ratios))
+                   + "".join("  %*s" % (wr, x) for x in ratios) + ("  %*s" % (w, "link bound") if bound else ""))
         for size in sorted({r.size for r in group}):
             picked = {}   # transport -> ([Mode or None per run], star)
             for t in ran:
@@ -163,6 +166,8 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...])
                 if len(rs) > 1:
                     text += " (%.2f-%.2f)" % (min(rs), max(rs))
                 line += "  %*s" % (wr, text)
+            if bound and not timed:
+                line += "  %*.3f" % (w, bound)
             out.append(line)
         out.append("#")
     return "\n".join(out)

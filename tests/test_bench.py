@@ -45,10 +45,22 @@ def test_every_flag_parses():
     assert (d.iters, d.warmup_iters, d.check, d.minbytes) == (20, 5, 1, 32 << 20)   # nccl-tests' defaults
 
 
-@pytest.mark.parametrize("bad", [["-d", "float128"], ["-o", "mean"], ["-b", "8X"], ["-n", "-1"], ["-a", "9"]])
+@pytest.mark.parametrize("bad", [["-d", "float128"], ["-o", "mean"], ["-b", "8X"], ["-n", "-1"], ["-a", "9"],
+                                 ["--hosts", "2"], ["--link-rate", "2gbit"], ["--hosts", "2", "--np", "2", "--link-rate", "fast"]])
 def test_bad_flags_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(bad)
+
+
+def test_link_bounds():
+    """What must leave each host, at links of 2 Gbit/s (0.25 GB/s) each way."""
+    from bench.cluster import link_bound, rate_bits
+    assert rate_bits("2gbit") == 2 * 10**9 and rate_bits("500mbit") == 5 * 10**8
+    assert link_bound("all_reduce", 2, 2, "2gbit") == pytest.approx(0.375)   # two-level: 1.5 x the link
+    assert link_bound("all_reduce", 4, 1, "2gbit") == pytest.approx(0.25)    # the ring's bound
+    assert link_bound("all_to_all", 2, 2, "2gbit") == pytest.approx(0.1875)
+    assert link_bound("broadcast", 3, 2, "2gbit") == pytest.approx(0.25)
+    assert link_bound("barrier", 2, 2, "2gbit") is None and link_bound("all_reduce", 1, 4, "2gbit") is None
 
 
 def test_size_sweep():
