@@ -44,6 +44,25 @@ def transport_params() -> list:
     return params
 
 
+# The ways the native engine carries data: shared memory inside a host and TCP across (auto),
+# TCP only, and UCX (transport ucx: the same engine over UCX channels).
+ENGINE_CHANNELS = ("auto", "tcp", "ucx")
+
+
+def engine_setup(channels: str) -> tuple[str, dict]:
+    """(transport, env) that runs the engine over `channels` (one of ENGINE_CHANNELS)."""
+    return ("ucx", {}) if channels == "ucx" else ("native", {"COMM_CHANNELS": channels})
+
+
+def engine_param(*values, channels: str):
+    """A pytest param of `values` for the engine over `channels`, skipped with the reason
+    where that transport is unavailable here."""
+    import pytest
+    from transports import base
+    reason = base.unavailable_reason(engine_setup(channels)[0])
+    return pytest.param(*values, marks=[pytest.mark.skip(reason=f"{channels}: {reason}")] if reason else [])
+
+
 class RanksFailed(AssertionError):
     """One or more ranks raised; the message has each failing rank's traceback."""
 

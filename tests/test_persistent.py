@@ -15,7 +15,7 @@ import pytest
 
 import comm
 from comm.types import DType
-from harness import Cluster, abort_while_blocked, assert_no_problems
+from harness import ENGINE_CHANNELS, Cluster, abort_while_blocked, assert_no_problems, engine_param, engine_setup
 from reference import ALL_DTYPES
 from test_conformance import (check_all_reduce, check_all_to_all, check_reduce_scatter_all_gather,
                               check_rooted, transport)  # noqa: F401 (the transport fixture)
@@ -191,8 +191,10 @@ def _abort_during_wait(world):
     return None
 
 
-def test_abort_during_wait():
-    c = Cluster(2, env={"COMM_TIMEOUT": "30"})
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
+def test_abort_during_wait(channels):
+    transport, env = engine_setup(channels)
+    c = Cluster(2, transport, env={**env, "COMM_TIMEOUT": "30"})
     try:
         kind, seconds = c.run(_abort_during_wait, timeout=60)[0]
     finally:
@@ -215,9 +217,10 @@ def _dead_peer_during_wait(world):
     return "no error", None, None
 
 
-@pytest.mark.parametrize("channels", ["auto", "tcp"])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
 def test_dead_peer_during_wait(channels):
-    c = Cluster(3, env={"COMM_CHANNELS": channels, "COMM_TIMEOUT": "30"})
+    transport, env = engine_setup(channels)
+    c = Cluster(3, transport, env={**env, "COMM_TIMEOUT": "30"})
     try:
         c.submit(_dead_peer_during_wait)
         out = c.collect([0, 1], timeout=60)
@@ -255,8 +258,10 @@ def lean_errors(world):
     return out
 
 
-def test_lean_path_errors(cluster):
-    for r, errors in enumerate(cluster(2).run(lean_errors)):
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
+def test_lean_path_errors(cluster, channels):
+    transport, env = engine_setup(channels)
+    for r, errors in enumerate(cluster(2, transport, env=env).run(lean_errors)):
         assert "accepted" not in errors, errors
         assert all(e.startswith(f"[rank {r}] all_reduce:") or e.startswith(f"[rank {r}] broadcast:")
                    for e in errors), errors

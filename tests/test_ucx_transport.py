@@ -1,6 +1,6 @@
 """What the conformance suite does not show about the ucx transport: user messages and
 collectives kept apart, async work that does not block the caller, COMM_ALGO, size
-mismatches and timeouts as errors, and the reason given when ucxx cannot load."""
+mismatches and timeouts as errors, and the reason given when libucx cannot load."""
 from __future__ import annotations
 
 import subprocess
@@ -105,8 +105,8 @@ def test_wait_honours_the_timeout():
 
 
 def test_available_names_the_import_error():
-    code = ("import sys; sys.modules['ucxx'] = None\n"
+    code = ("import sys; sys.modules['libucx'] = None\n"
             "from transports import base; print(base.unavailable_reason('ucx'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=False)
-    assert "ucxx cannot be imported" in out.stdout, out.stdout + out.stderr
+    assert "the libucx wheel cannot be loaded" in out.stdout, out.stdout + out.stderr

@@ -11,6 +11,10 @@ local peers' segments through /proc/<pid>/fd (same user only); nothing has a nam
 Per peer the engine gets: one monitor socket (carries no data; its hang-up means the peer
 died), and for peers on other hosts (or with COMM_CHANNELS=tcp) one socket for send/recv
 plus COMM_SOCKETS_PER_PEER sockets over which collective traffic is striped.
+
+A transport over a fabric library (ucx) is this class with `net` set: the engine opens that
+net (native/CHANNELS.md), every rank publishes the net's address through the store, and the
+engine connects each peer over it; the monitor sockets stay, so liveness works alike.
 """
 from __future__ import annotations
 
@@ -125,6 +129,12 @@ class NativeTransport(Transport):
     name = "native"
     devices = frozenset({"cpu"})
     any_source = True
+    net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP
+
+    @classmethod
+    def net_options(cls) -> dict[str, str]:
+        """Settings for the engine's net (e.g. "library": the shared library it loads)."""
+        return {}
 
     @classmethod
     def available(cls) -> str | None:
@@ -134,8 +144,9 @@ class NativeTransport(Transport):
 
     @classmethod
     def create(cls, ctx: BootstrapContext) -> "NativeTransport":
-        if _native is None:
-            raise TransportUnavailable(cls.available(), rank=ctx.rank, op="init")
+        why = cls.available()
+        if why is not None:
+            raise TransportUnavailable(why, rank=ctx.rank, op="init")
         return cls(ctx)
 
     def __init__(self, ctx: BootstrapContext) -> None:
@@ -162,7 +173,7 @@ class NativeTransport(Transport):
             me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1],
                   "token": token.hex()}
             infos = [json.loads(v) for v in store.all_gather("native/info", json.dumps(me).encode())]
-            tcp_only = config.get("COMM_CHANNELS") == "tcp"
+            tcp_only = self.net is not None or config.get("COMM_CHANNELS") == "tcp"
             local = [] if tcp_only else [r for r, i in enumerate(infos) if i["host"] == ctx.host_id]
             engine = _native.Engine(ctx.rank, ctx.size, local if len(local) > 1 else [],
                                     float(ctx.timeout), config.get("COMM_ALGO") or "",
@@ -174,16 +185,23 @@ class NativeTransport(Transport):
             # shares memory, even a rank alone on its host.
             if not tcp_only and len(set(labels.values())) < ctx.size:
                 self._share_memory(engine, store, local if len(local) > 1 else [])
+            if self.net is not None:
+                addresses = store.all_gather(f"{self.name}/address", engine.open_net(self.net, self.net_options()))
             socks = self._connect_mesh(ctx, listener, infos, token, set(local))
         finally:
             listener.close()
         for peer, roles in socks.items():
+            monitor = roles[_MONITOR].detach()
+            if self.net is not None:
+                engine.add_net_peer(peer, monitor, addresses[peer], infos[peer]["host"] == ctx.host_id)
+                continue
             coll = [roles[k].detach() for k in sorted(roles) if k >= _FIRST_COLL]
             p2p = roles[_P2P].detach() if _P2P in roles else -1
-            engine.add_peer(peer, roles[_MONITOR].detach(), coll, p2p)
-        log.debug(ctx.rank, f"{ctx.group_name}: native engine listening on {addr}; shared memory with ranks "
-                            f"{sorted(set(local) - {ctx.rank}) or 'none'}, TCP with ranks "
-                            f"{sorted(set(socks) - set(local)) or 'none'}")
+            engine.add_peer(peer, monitor, coll, p2p)
+        data = (f"{self.net} with every peer" if self.net is not None else
+                f"shared memory with ranks {sorted(set(local) - {ctx.rank}) or 'none'}, TCP with ranks "
+                f"{sorted(set(socks) - set(local)) or 'none'}")
+        log.debug(ctx.rank, f"{ctx.group_name}: {self.name} engine listening on {addr}; {data}")
         engine.start()
         return engine
 
@@ -206,8 +224,8 @@ class NativeTransport(Transport):
         n_coll = max(1, int(config.get("COMM_SOCKETS_PER_PEER")))
 
         def roles(peer: int) -> list[int]:
-            shm = ctx.rank in local and peer in local
-            return [_MONITOR] if shm else [_MONITOR, _P2P] + [_FIRST_COLL + i for i in range(n_coll)]
+            data_elsewhere = self.net is not None or (ctx.rank in local and peer in local)
+            return [_MONITOR] if data_elsewhere else [_MONITOR, _P2P] + [_FIRST_COLL + i for i in range(n_coll)]
 
         deadline = time.monotonic() + ctx.timeout
         socks: dict[int, dict[int, socket.socket]] = {p: {} for p in range(ctx.size) if p != ctx.rank}

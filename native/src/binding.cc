@@ -3,6 +3,7 @@
 // onto the comm.errors classes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -372,6 +373,20 @@ NB_MODULE(_native, m) {
       },
       nb::arg("dtype"), nb::arg("out"), nb::arg("input"), nb::arg("count"), nb::arg("factor"), release(),
       "out[i] = input[i] * factor for a floating dtype (PREMUL_SUM inputs, AVG results); out may be input.");
+  m.def("net_unavailable", &net_unavailable, nb::arg("name"), nb::arg("options"), release(),
+        "Why net `name` cannot be opened here, or an empty string when it can.");
+  m.def(
+      "net_describe",
+      [](const std::string& name, const NetOptions& opts) {
+        auto net = open_net(name, 0, 1, opts);
+        const NetCaps caps = net->caps();
+        return "capabilities: host memory " + std::string(caps.host_memory ? "yes" : "no") +
+               ", device memory " + (caps.device_memory ? "yes" : "no") + ", largest message " +
+               (caps.max_message == UINT64_MAX ? std::string("unlimited") : std::to_string(caps.max_message)) +
+               "\n" + net->describe();
+      },
+      nb::arg("name"), nb::arg("options"), release(),
+      "What net `name` sees on this machine (its library's own listing).");
   // The buffer protocol from C: ~10x cheaper than numpy's __array_interface__ dict, and
   // Python's per-call cost is what bounds small-message latency.
   m.def(
@@ -442,6 +457,28 @@ NB_MODULE(_native, m) {
       .def("add_peer", &Engine::add_peer, nb::arg("peer"), nb::arg("monitor_fd"),
            nb::arg("coll_fds"), nb::arg("p2p_fd"), release(),
            "Hand over connected sockets (the engine owns and closes them).")
+      .def(
+          "open_net",
+          [](Engine& e, const std::string& name, const NetOptions& opts) {
+            std::string address;
+            {
+              nb::gil_scoped_release unlocked;
+              address = e.open_net(name, opts);
+            }
+            return nb::bytes(address.data(), address.size());
+          },
+          nb::arg("name"), nb::arg("options"),
+          "Open net `name` for this engine's data; returns this rank's address to publish.")
+      .def(
+          "add_net_peer",
+          [](Engine& e, int peer, int monitor_fd, nb::bytes address, bool same_host) {
+            std::string addr(address.c_str(), address.size());
+            nb::gil_scoped_release unlocked;
+            e.add_net_peer(peer, monitor_fd, addr, same_host);
+          },
+          nb::arg("peer"), nb::arg("monitor_fd"), nb::arg("address"), nb::arg("same_host"),
+          "Connect `peer` over the open net from the address it published (the engine owns\n"
+          "the monitor socket).")
       .def("start", &Engine::start, release())
       .def(
           "post",

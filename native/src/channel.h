@@ -2,6 +2,8 @@
 // collective: algorithms describe what to move as Transfers and Comm::run drives them.
 #pragma once
 
+#include <poll.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -27,6 +29,10 @@ struct WireHeader {
 static_assert(sizeof(WireHeader) == 40, "wire header layout");
 
 constexpr int kMaxStripes = 16;
+
+// Each peer has two independent streams: collective traffic, and send / recv (whose tags
+// match out of order, so it must never wait behind a collective's bytes).
+enum class Stream { COLL = 0, P2P = 1 };
 
 class Channel;
 
@@ -55,6 +61,10 @@ struct Transfer {
   bool complete() const { return header_complete() && done == len; }
 };
 
+// One peer and stream, as a transport provides it (CHANNELS.md says what each call must do).
+// The engine guarantees: one thread at a time calls a channel; transfers of one direction are
+// progressed one after the other, each to completion, in the order they must appear on the
+// wire; a transfer whose operation failed is handed to abandon() and never progressed again.
 class Channel {
  public:
   explicit Channel(int peer) : peer_(peer) {}
@@ -66,12 +76,21 @@ class Channel {
   // Move as many bytes of `t` as possible without blocking; true if any moved.
   // Throws CommError (PEER_FAILURE, MISMATCH) when the peer is gone or sent a wrong header.
   virtual bool progress(Transfer& t) = 0;
-  // Whether progress(t) could move a byte now (checked before sleeping on a futex).
+  // Checked right before the engine sleeps: true when progress(t) may move a byte without
+  // the futex or an event on sockets(), so the engine must not sleep. Event-driven channels
+  // arm their descriptor here (UCX: ucp_worker_arm) and answer true while events are due.
   virtual bool ready(const Transfer& t) const = 0;
-  // Sockets to poll() while idle; empty for shared memory, which sleeps on a futex.
+  // Descriptors to poll() while idle; empty for shared memory, which sleeps on a futex.
   virtual const std::vector<int>& sockets() const = 0;
+  // What poll() waits for on sockets() for a transfer of this direction. An event-driven
+  // channel (one descriptor for all its completions) says POLLIN for sends too.
+  virtual short poll_events(bool is_send) const { return is_send ? POLLOUT : POLLIN; }
   // Wake a peer blocked on us (abort): it sees the connection drop.
   virtual void shutdown() {}
+  // `t` failed with its operation and is never progressed again: stop anything in flight
+  // that still points at its buffer (the caller may free it next). Byte streams have nothing
+  // in flight between progress() calls; a network channel cancels its requests.
+  virtual void abandon(Transfer& t) { (void)t; }
 
  protected:
   int peer_;

@@ -43,9 +43,20 @@ void Comm::release() {
   }
   goodbyes_ = 0;
   shm.reset();
+  net.reset();
 }
 
 void Comm::forget() {
+  if (net) {
+    // A fabric library's state is the parent's (threads, registrations, connections that
+    // closing would tear down for it): leak it in the child rather than release it.
+    net->forget();
+    for (Peer& p : peers) {
+      (void)p.coll.release();
+      (void)p.p2p.release();
+    }
+    (void)net.release();
+  }
   release();  // close() and munmap() act on this process's copies only
 }
 
@@ -88,6 +99,16 @@ void Comm::sendrecv(int to, const void* sbuf, size_t slen, int from, void* rbuf,
 }
 
 void Comm::run(Transfer* ts, size_t n) {
+  try {
+    drive(ts, n);
+  } catch (const CommError&) {
+    for (size_t i = 0; i < n; i++)
+      if (!ts[i].complete()) ts[i].ch->abandon(ts[i]);
+    throw;
+  }
+}
+
+void Comm::drive(Transfer* ts, size_t n) {
   Backoff spins;
   std::vector<pollfd> fds;
   for (;;) {
@@ -112,7 +133,7 @@ void Comm::run(Transfer* ts, size_t n) {
       if (ts[i].complete()) continue;
       const auto& socks = ts[i].ch->sockets();
       if (socks.empty()) shm_pending = true;
-      for (int fd : socks) fds.push_back({fd, static_cast<short>(ts[i].is_send ? POLLOUT : POLLIN), 0});
+      for (int fd : socks) fds.push_back({fd, ts[i].ch->poll_events(ts[i].is_send), 0});
     }
     if (!fds.empty()) {
       for (const Peer& p : peers)

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "channel.h"
+#include "net.h"
 #include "reduce.h"
 #include "shm.h"
 #include "topology.h"
@@ -71,7 +72,8 @@ class Comm {
   const Options opt;
   const Group world;  // every rank, in rank order
   Topology topo;      // one host until the bootstrap says where every rank is (Engine::set_hosts)
-  std::vector<Peer> peers;
+  std::unique_ptr<Net> net;  // the fabric the peers' channels run on, if not shm / TCP
+  std::vector<Peer> peers;   // after `net`: destroyed first, their channels use it
   std::unique_ptr<ShmDomain> shm;  // null when no other rank shares this host (or tcp-only)
   bool cma = false;                // every local rank can process_vm_readv every other
   Deadline deadline;
@@ -84,7 +86,8 @@ class Comm {
   bool hierarchical() const { return topo.spans_hosts() && topo.some_host_shared(); }
 
   // Drive the transfers until all complete. Transfers on the same channel and direction
-  // proceed in the order given (that order is the stream order on the wire).
+  // proceed in the order given (that order is the stream order on the wire). When it
+  // throws, every incomplete transfer has been abandoned (Channel::abandon).
   void run(Transfer* ts, size_t n);
   Transfer send_to(int peer, const void* buf, size_t len, const WireHeader& h) const;
   Transfer recv_from(int peer, void* buf, size_t len, const WireHeader& h) const;
@@ -132,8 +135,11 @@ class Comm {
       check_signals();
     }
     const int ms = dl->ms_left(kSleepSliceMs);
-    if (fds && !fds->empty()) sleep_fds(*fds, ms);
-    else if (shm) shm->sleep(ready, ms);
+    if (fds && !fds->empty()) {
+      if (!ready()) sleep_fds(*fds, ms);  // ready() also arms event-driven channels
+    } else if (shm) {
+      shm->sleep(ready, ms);
+    }
     else sched_yield();
   }
 
@@ -175,6 +181,7 @@ class Comm {
     asm volatile("yield");
 #endif
   }
+  void drive(Transfer* ts, size_t n);  // run() without the clean-up on failure
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
   [[noreturn]] void closed_peer(int peer) const;
   std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read

@@ -78,6 +78,21 @@ void Engine::add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p
   }
 }
 
+std::string Engine::open_net(const std::string& name, const NetOptions& opts) {
+  comm_.net = comm::open_net(name, comm_.rank, comm_.size, opts);
+  if (!comm_.net->caps().host_memory)  // the algorithms stage and reduce in host memory
+    fail(ErrorCode::SYSTEM, -1, "net " + name + " cannot move host memory, which the engine needs");
+  return comm_.net->address();
+}
+
+void Engine::add_net_peer(int peer, int monitor_fd, const std::string& address, bool same_host) {
+  if (!comm_.net) fail(ErrorCode::SYSTEM, peer, "add_net_peer before open_net");
+  Peer& p = comm_.peers[peer];
+  p.monitor_fd = monitor_fd;
+  p.coll = comm_.net->connect(peer, Stream::COLL, address, same_host);
+  p.p2p = comm_.net->connect(peer, Stream::P2P, address, same_host);
+}
+
 void Engine::start() {
   for (int r = 0; r < comm_.size; r++)
     if (r != comm_.rank && !comm_.peers[r].coll)

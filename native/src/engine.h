@@ -43,6 +43,10 @@ class Engine {
   void set_hosts(const std::vector<int>& host_of);  // every rank passes the same list
   // coll_fds empty: the peer is on this host and uses shared memory.
   void add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd);
+  // Data over a net (net.h) instead: open it, publish the address it returns through the
+  // store, then add every peer with the address it published.
+  std::string open_net(const std::string& name, const NetOptions& opts);
+  void add_net_peer(int peer, int monitor_fd, const std::string& address, bool same_host);
   void start();
 
   // Returns null when the op ran to completion on this thread (errors are thrown).

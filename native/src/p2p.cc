@@ -339,6 +339,10 @@ void P2P::fail_all(const CommError& e) {
   c_.relay_failure(e);
   if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
   for (PeerState& ps : peers_) {
+    if (ps.ch) {  // nothing in flight may still point at a buffer the user gets back now
+      if (!ps.in.complete()) ps.ch->abandon(ps.in);
+      if (!ps.sends.empty() && !ps.sends.front().t.complete()) ps.ch->abandon(ps.sends.front().t);
+    }
     for (Pending& p : ps.sends) finish(p, e);
     for (auto& [tag, q] : ps.recvs)
       for (Pending& p : q) finish(p, e);
@@ -368,7 +372,8 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     if (sending) probes.push_back({ps.ch, true});
     const auto& socks = ps.ch->sockets();
     if (socks.empty()) shm_pending = true;
-    for (int fd : socks) fds.push_back({fd, static_cast<short>(POLLIN | (sending ? POLLOUT : 0)), 0});
+    for (int fd : socks)
+      fds.push_back({fd, static_cast<short>(ps.ch->poll_events(false) | (sending ? ps.ch->poll_events(true) : 0)), 0});
   }
   if (!fds.empty()) {
     fds.push_back({wake_fd_, POLLIN, 0});

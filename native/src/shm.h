@@ -11,8 +11,6 @@
 
 namespace comm {
 
-enum class Stream { COLL = 0, P2P = 1 };
-
 constexpr size_t kSlotBytes = 256 << 10;      // direct-path publication slot (per rank, x2)
 constexpr size_t kCollRingBytes = 512 << 10;  // ring-buffer of collective traffic per peer
 constexpr size_t kP2PRingBytes = 128 << 10;   // ring-buffer of send/recv traffic per peer

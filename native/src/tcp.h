@@ -16,7 +16,7 @@ class TcpChannel final : public Channel {
   TcpChannel(int peer, std::vector<int> fds);  // takes ownership of fds
   ~TcpChannel() override;
   bool progress(Transfer& t) override;
-  bool ready(const Transfer&) const override { return true; }  // poll() decides
+  bool ready(const Transfer&) const override { return false; }  // poll() decides
   const std::vector<int>& sockets() const override { return fds_; }
   void shutdown() override;
 

@@ -1,0 +1,452 @@
+// UCX as a net (net.h): channels over UCP tag send / receive. UCX picks its own transports
+// (shared memory and CMA on one host, TCP, InfiniBand / RoCE where present; UCX_TLS
+// chooses). libucp is loaded at run time (dlopen) from the library the Python side names
+// (the libucx wheel's), so the engine builds with UCX's headers alone and imports, and runs
+// every other transport, on machines without UCX.
+//
+// Per communicator: one UCP context and two workers, one per stream (collectives, send /
+// recv), each used by one thread at a time as the engine drives its streams. A channel is
+// an endpoint to the peer's worker of the same stream. Messages carry tags
+// (sender rank << 32 | part): part 0 is the 40-byte WireHeader, with the payload behind it
+// in the same message up to kInlineBytes; a larger payload follows as a message of part 1,
+// received straight into place once its header has been checked. So no payload byte lands
+// in a user buffer before its header was accepted, as on every channel.
+#include <dlfcn.h>
+#include <ucp/api/ucp.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "net.h"
+
+namespace comm {
+
+namespace {
+
+constexpr size_t kHeader = sizeof(WireHeader);
+// Payloads up to this size travel in their header's message (one message per transfer;
+// copied once more on arrival, which costs less than a second message below it).
+constexpr size_t kInlineBytes = 8 << 10;
+constexpr uint64_t kHeaderPart = 0, kPayloadPart = 1;
+// A drained payload (all_to_all splits that disagree) is received into memory; one larger
+// than this fails the exchange at once instead (its length is the peer's word).
+constexpr size_t kMaxDrainBytes = size_t{256} << 20;
+// A clean close flushes each endpoint; a peer that stopped progressing cannot hold us longer.
+constexpr auto kCloseWait = std::chrono::milliseconds(500);
+
+#define COMM_UCP_FUNCTIONS(X)                                                                  \
+  X(ucp_get_version) X(ucp_config_read) X(ucp_config_release) X(ucp_init_version)             \
+  X(ucp_cleanup) X(ucp_context_print_info) X(ucp_worker_create) X(ucp_worker_destroy)         \
+  X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
+  X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
+  X(ucp_tag_send_nbx) X(ucp_tag_recv_nbx) X(ucp_request_check_status)                         \
+  X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)
+
+// libucp's entry points, resolved once per library path.
+struct Ucp {
+#define COMM_UCP_POINTER(f) decltype(&::f) f = nullptr;
+  COMM_UCP_FUNCTIONS(COMM_UCP_POINTER)
+#undef COMM_UCP_POINTER
+  std::string error;  // why it cannot be used; empty when it can
+};
+
+const Ucp& load_ucp(const NetOptions& opts) {
+  static std::mutex mu;
+  static std::map<std::string, Ucp> loaded;
+  auto it = opts.find("library");
+  const std::string path = it != opts.end() ? it->second : "libucp.so.0";
+  std::lock_guard<std::mutex> lock(mu);
+  auto [at, fresh] = loaded.try_emplace(path);
+  Ucp& u = at->second;
+  if (!fresh) return u;
+  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // never closed: UCX keeps threads
+  if (!lib) {
+    u.error = std::string("cannot load ") + path + ": " + dlerror();
+    return u;
+  }
+#define COMM_UCP_RESOLVE(f)                                                  \
+  u.f = reinterpret_cast<decltype(&::f)>(dlsym(lib, #f));                    \
+  if (!u.f && u.error.empty()) u.error = path + " has no " #f;
+  COMM_UCP_FUNCTIONS(COMM_UCP_RESOLVE)
+#undef COMM_UCP_RESOLVE
+  if (!u.error.empty()) return u;
+  unsigned major = 0, minor = 0, release = 0;
+  u.ucp_get_version(&major, &minor, &release);
+  // Built against UCP_API_*: an older library (Open MPI's wheel bundles one under the same
+  // soname, and whichever loads first wins) may lack what the headers promise.
+  if (major != UCP_API_MAJOR || minor < UCP_API_MINOR)
+    u.error = path + " is UCX " + std::to_string(major) + "." + std::to_string(minor) + "." +
+              std::to_string(release) + ", older than the " + std::to_string(UCP_API_MAJOR) + "." +
+              std::to_string(UCP_API_MINOR) + " the engine was built for (another UCX was loaded first?)";
+  return u;
+}
+
+// A UCX failure as the engine's error: truncation means the ranks disagree on a size,
+// a timeout is a timeout, anything else broke the connection to `peer`.
+[[noreturn]] void fail_status(const Ucp& u, ucs_status_t st, int peer, const char* what) {
+  const std::string them = "rank " + std::to_string(peer);
+  if (st == UCS_ERR_MESSAGE_TRUNCATED)
+    fail(ErrorCode::MISMATCH, peer,
+         "a message from " + them + " is larger than the receive posted for it (ranks called "
+         "the operation with different sizes)");
+  const std::string msg = std::string("UCX ") + what + " with " + them + " failed: " + u.ucs_status_string(st);
+  if (st == UCS_ERR_TIMED_OUT || st == UCS_ERR_ENDPOINT_TIMEOUT)
+    fail(ErrorCode::TIMEOUT, peer, msg + " (the peer is hung or unreachable)");
+  if (st == UCS_ERR_CANCELED) fail(ErrorCode::ABORTED, peer, msg);
+  fail(ErrorCode::PEER_FAILURE, peer, msg + ": the peer process died or closed its communicator");
+}
+
+struct Worker {
+  ucp_worker_h h = nullptr;
+  std::vector<int> efd;  // one descriptor: the worker's events (sockets() of its channels)
+  std::string address;
+};
+
+class UcxChannel final : public Channel {
+ public:
+  UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host);
+  ~UcxChannel() override;
+  bool progress(Transfer& t) override {
+    u_.ucp_worker_progress(w_.h);
+    if (ep_status_ != UCS_OK) fail_status(u_, ep_status_, peer_, "connection");
+    return t.is_send ? progress_send(t) : progress_recv(t);
+  }
+  bool ready(const Transfer&) const override { return u_.ucp_worker_arm(w_.h) != UCS_OK; }
+  const std::vector<int>& sockets() const override { return w_.efd; }
+  short poll_events(bool) const override { return POLLIN; }
+  void abandon(Transfer& t) override;
+  void forget() { forgotten_ = true; }
+
+ private:
+  enum class Recv { IDLE, HEADER, PAYLOAD };
+  void* post_send(const void* buf, size_t len, uint64_t part);
+  void* post_recv(void* buf, size_t len, uint64_t part);
+  // Whether request `r` is finished (then freed and set null); throws its failure.
+  bool finished(void*& r, size_t* length);
+  bool progress_send(Transfer& t);
+  bool progress_recv(Transfer& t);
+  void header_arrived(Transfer& t, size_t length);
+  [[noreturn]] void corrupt() const {
+    fail(ErrorCode::MISMATCH, peer_, "corrupt message from rank " + std::to_string(peer_) + " over UCX");
+  }
+  static void on_error(void* self, ucp_ep_h, ucs_status_t st) {
+    static_cast<UcxChannel*>(self)->ep_status_ = st;
+  }
+
+  const Ucp& u_;
+  Worker& w_;
+  const uint64_t my_tag_, peer_tag_;
+  const bool peer_errors_;  // UCX reports this peer's failure (off on one host: see connect)
+  ucp_ep_h ep_ = nullptr;
+  ucs_status_t ep_status_ = UCS_OK;
+  bool broken_ = false;     // a transfer was abandoned: no clean close
+  bool forgotten_ = false;  // a forked child's copy: touch nothing
+  // In flight: at most one send (header + payload) and one receive (Channel's contract).
+  const Transfer* send_of_ = nullptr;
+  void* send_req_[2] = {nullptr, nullptr};
+  std::vector<char> send_bounce_;
+  const Transfer* recv_of_ = nullptr;
+  Recv recv_ = Recv::IDLE;
+  void* recv_req_ = nullptr;
+  ucp_tag_recv_info_t recv_info_{};  // the latest receive's length
+  std::vector<char> recv_bounce_;
+  // A header-only receive (P2P reads the header, then posts the body separately) leaves the
+  // message's payload behind: inline in `stash_`, or as the part-1 message still to come.
+  bool stashed_ = false, payload_follows_ = false;
+  std::vector<char> stash_;
+  std::vector<char> drain_;  // where a drained payload goes
+};
+
+UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote,
+                       bool same_host)
+    : Channel(peer), u_(u), w_(w), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
+      peer_errors_(!same_host), send_bounce_(kHeader + kInlineBytes), recv_bounce_(kHeader + kInlineBytes) {
+  ucp_ep_params_t p{};
+  p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+  p.address = reinterpret_cast<const ucp_address_t*>(remote.data());
+  // UCX's peer-failure handling rules out its shared-memory transports, so it is on across
+  // hosts only; on one host the engine's monitor sockets report a dead peer.
+  p.err_mode = peer_errors_ ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  if (peer_errors_) {
+    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    p.err_handler.cb = &UcxChannel::on_error;
+    p.err_handler.arg = this;
+  }
+  const ucs_status_t st = u_.ucp_ep_create(w_.h, &p, &ep_);
+  if (st != UCS_OK) fail_status(u_, st, peer, "connect");
+}
+
+UcxChannel::~UcxChannel() {
+  if (forgotten_) return;
+  for (void** r : {&send_req_[0], &send_req_[1], &recv_req_}) {
+    if (!*r) continue;
+    if (r == &recv_req_) u_.ucp_request_cancel(w_.h, *r);
+    u_.ucp_request_free(*r);  // UCX completes it internally (the worker's destruction at last)
+  }
+  if (!ep_) return;
+  // A clean close flushes what is in flight; after a failure (or with UCX's error handling
+  // on) force it: the peer is gone or its operations already failed.
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = broken_ && peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  if (broken_ && !peer_errors_) return;  // forcing needs error handling: the worker's end closes it
+  void* r = u_.ucp_ep_close_nbx(ep_, &p);
+  if (!UCS_PTR_IS_PTR(r)) return;
+  const auto until = Clock::now() + kCloseWait;
+  while (u_.ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
+    u_.ucp_worker_progress(w_.h);
+  u_.ucp_request_free(r);
+}
+
+void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part) {
+  ucp_request_param_t p{};
+  void* r = u_.ucp_tag_send_nbx(ep_, buf, len, my_tag_ | part, &p);
+  if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer_, "send");
+  return r;  // null: completed at once
+}
+
+void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  p.recv_info.tag_info = &recv_info_;
+  recv_info_ = {};
+  void* r = u_.ucp_tag_recv_nbx(w_.h, buf, len, peer_tag_ | part, ~uint64_t{0}, &p);
+  if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer_, "receive");
+  return r;  // null: completed at once, recv_info_ says how long it was
+}
+
+bool UcxChannel::finished(void*& r, size_t* length) {
+  if (!r) {
+    if (length) *length = recv_info_.length;
+    return true;
+  }
+  ucs_status_t st;
+  if (length) {
+    st = u_.ucp_tag_recv_request_test(r, &recv_info_);
+    *length = recv_info_.length;
+  } else {
+    st = u_.ucp_request_check_status(r);
+  }
+  if (st == UCS_INPROGRESS) return false;
+  u_.ucp_request_free(r);
+  r = nullptr;
+  if (st != UCS_OK) fail_status(u_, st, peer_, length ? "receive" : "send");
+  return true;
+}
+
+bool UcxChannel::progress_send(Transfer& t) {
+  bool moved = false;
+  if (send_of_ != &t) {
+    if (!t.with_header) fail(ErrorCode::SYSTEM, peer_, "a send without its header");
+    send_of_ = &t;
+    if (t.len <= kInlineBytes) {
+      std::memcpy(send_bounce_.data(), &t.hdr, kHeader);
+      if (t.len) std::memcpy(send_bounce_.data() + kHeader, t.buf, t.len);
+      send_req_[0] = post_send(send_bounce_.data(), kHeader + t.len, kHeaderPart);
+    } else {  // both at once: UCX keeps their order on the wire
+      send_req_[0] = post_send(&t.hdr, kHeader, kHeaderPart);
+      send_req_[1] = post_send(t.buf, t.len, kPayloadPart);
+    }
+    moved = true;
+  }
+  if (!finished(send_req_[0], nullptr) || !finished(send_req_[1], nullptr)) return moved;
+  t.hdr_done = kHeader;
+  t.done = t.len;
+  send_of_ = nullptr;
+  return true;
+}
+
+bool UcxChannel::progress_recv(Transfer& t) {
+  bool moved = false;
+  if (recv_of_ != &t) {
+    recv_of_ = &t;
+    moved = true;
+    if (t.with_header) {
+      recv_req_ = post_recv(recv_bounce_.data(), recv_bounce_.size(), kHeaderPart);
+      recv_ = Recv::HEADER;
+    } else if (stashed_) {  // the body of the message whose header was read alone
+      if (stash_.size() != t.len) corrupt();
+      std::memcpy(t.buf, stash_.data(), t.len);
+      stashed_ = false;
+      t.done = t.len;
+      recv_of_ = nullptr;
+      return true;
+    } else if (payload_follows_) {
+      recv_req_ = post_recv(t.buf, t.len, kPayloadPart);
+      recv_ = Recv::PAYLOAD;
+    } else {
+      fail(ErrorCode::SYSTEM, peer_, "a body receive without its header");
+    }
+  }
+  size_t length = 0;
+  if (!finished(recv_req_, &length)) return moved;
+  if (recv_ == Recv::HEADER) {
+    header_arrived(t, length);
+  } else {
+    if (length != t.len) corrupt();
+    t.done = t.len;
+    payload_follows_ = false;
+    drain_ = {};
+  }
+  if (t.complete()) {
+    recv_of_ = nullptr;
+    recv_ = Recv::IDLE;
+  }
+  return true;
+}
+
+void UcxChannel::header_arrived(Transfer& t, size_t length) {
+  if (length < kHeader) corrupt();
+  std::memcpy(&t.got, recv_bounce_.data(), kHeader);
+  t.hdr_done = kHeader;
+  accept_header(t, peer_);  // throws on a mismatch; SPLITS may switch `t` to draining
+  const uint64_t len = t.got.len;
+  const bool inline_payload = len <= kInlineBytes;
+  if (length != kHeader + (inline_payload ? len : 0)) corrupt();
+  const bool header_only = t.len == 0 && len > 0;  // NONE: the caller posts the body next
+  if (inline_payload) {
+    if (header_only) {
+      stash_.assign(recv_bounce_.data() + kHeader, recv_bounce_.data() + length);
+      stashed_ = true;
+    } else {
+      if (!t.drain && t.len) std::memcpy(t.buf, recv_bounce_.data() + kHeader, t.len);
+      t.done = t.len;
+    }
+  } else if (header_only) {
+    payload_follows_ = true;
+  } else {
+    // A drained payload is received whole and dropped: UCX's rendezvous does not complete
+    // the sender's side of a truncated receive. Its length passed accept_header (SPLITS
+    // lengths are what the peer's own splits say).
+    if (t.drain && t.len > kMaxDrainBytes) fail_splits(t.got, t.hdr, peer_);  // fail now, not allocate
+    if (t.drain) drain_.resize(t.len);
+    recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart);
+    recv_ = Recv::PAYLOAD;
+  }
+}
+
+void UcxChannel::abandon(Transfer& t) {
+  broken_ = true;
+  if (&t == recv_of_ && recv_req_) {
+    // A cancelled receive completes in progress; until it has, UCX may still write t.buf.
+    u_.ucp_request_cancel(w_.h, recv_req_);
+    const auto until = Clock::now() + kCloseWait;
+    while (u_.ucp_request_check_status(recv_req_) == UCS_INPROGRESS && Clock::now() < until)
+      u_.ucp_worker_progress(w_.h);
+    u_.ucp_request_free(recv_req_);
+    recv_req_ = nullptr;
+    recv_of_ = nullptr;
+  }
+  if (&t == send_of_) {
+    // Sends cannot be cancelled; the endpoint is force-closed (or dropped with the worker)
+    // at release, and nothing progresses this worker before then.
+    for (void*& r : send_req_)
+      if (r) u_.ucp_request_free(r), r = nullptr;
+    send_of_ = nullptr;
+  }
+}
+
+class UcxNet final : public Net {
+ public:
+  UcxNet(const Ucp& u, int rank);
+  ~UcxNet() override;
+  NetCaps caps() const override { return NetCaps{}; }  // host memory: the engine reduces on the CPU
+  std::string address() const override;
+  std::unique_ptr<Channel> connect(int peer, Stream stream, const std::string& remote, bool same_host) override;
+  std::string describe() const override;
+  void forget() override {
+    forgotten_ = true;
+    for (UcxChannel* ch : channels_) ch->forget();
+  }
+
+ private:
+  const Ucp& u_;
+  const int rank_;
+  ucp_context_h ctx_ = nullptr;
+  Worker workers_[2];
+  void release();
+  std::vector<UcxChannel*> channels_;  // owned by the engine's peers, destroyed before us
+  bool forgotten_ = false;
+};
+
+UcxNet::UcxNet(const Ucp& u, int rank) : u_(u), rank_(rank) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = u_.ucp_config_read(nullptr, nullptr, &config);  // UCX_* variables apply
+  if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_read: ") + u_.ucs_status_string(st));
+  ucp_params_t p{};
+  p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  p.mt_workers_shared = 1;  // the two workers are driven by different threads
+  st = u_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, config, &ctx_);
+  u_.ucp_config_release(config);
+  if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_init: ") + u_.ucs_status_string(st));
+  for (Worker& w : workers_) {
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // one thread at a time (the engine's rule)
+    st = u_.ucp_worker_create(ctx_, &wp, &w.h);
+    int fd = -1;
+    if (st == UCS_OK) st = u_.ucp_worker_get_efd(w.h, &fd);
+    ucp_worker_attr_t attr{};
+    attr.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    if (st == UCS_OK) st = u_.ucp_worker_query(w.h, &attr);
+    if (st != UCS_OK) {
+      release();  // the constructor throws: no destructor runs
+      fail(ErrorCode::SYSTEM, -1, std::string("UCX worker: ") + u_.ucs_status_string(st));
+    }
+    w.efd = {fd};
+    w.address.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
+    u_.ucp_worker_release_address(w.h, attr.address);
+  }
+}
+
+UcxNet::~UcxNet() {
+  if (!forgotten_) release();
+}
+
+void UcxNet::release() {
+  for (Worker& w : workers_)
+    if (w.h) u_.ucp_worker_destroy(w.h), w.h = nullptr;
+  if (ctx_) u_.ucp_cleanup(ctx_), ctx_ = nullptr;
+}
+
+// [u32 length of the collective worker's address][that address][the p2p worker's address]
+std::string UcxNet::address() const {
+  const uint32_t n = static_cast<uint32_t>(workers_[0].address.size());
+  return std::string(reinterpret_cast<const char*>(&n), sizeof n) + workers_[0].address + workers_[1].address;
+}
+
+std::unique_ptr<Channel> UcxNet::connect(int peer, Stream stream, const std::string& remote, bool same_host) {
+  uint32_t n = 0;
+  if (remote.size() < sizeof n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  std::memcpy(&n, remote.data(), sizeof n);
+  if (remote.size() < sizeof n + n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  const std::string addr = stream == Stream::COLL ? remote.substr(sizeof n, n) : remote.substr(sizeof n + n);
+  auto ch = std::make_unique<UcxChannel>(u_, workers_[static_cast<int>(stream)], peer, rank_, addr, same_host);
+  channels_.push_back(ch.get());
+  return ch;
+}
+
+std::string UcxNet::describe() const {
+  char* text = nullptr;
+  size_t len = 0;
+  FILE* f = open_memstream(&text, &len);
+  if (!f) fail_errno("open_memstream");
+  u_.ucp_context_print_info(ctx_, f);
+  std::fclose(f);
+  std::string out(text, len);
+  std::free(text);
+  return out;
+}
+
+}  // namespace
+
+std::string ucx_unavailable(const NetOptions& opts) { return load_ucp(opts).error; }
+
+std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
+  return std::make_unique<UcxNet>(load_ucp(opts), rank);
+}
+
+}  // namespace comm
