@@ -18,7 +18,7 @@ import struct
 import threading
 import weakref
 
-from . import auth, config, log, rendezvous
+from . import auth, config, log, rendezvous, vcollectives
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      TransportUnavailable, from_os_error)
@@ -349,6 +349,24 @@ class Communicator:
         self._same_type(name, send, recv)
         self._count_match(name, recv.count, send.count * self.size, "output")
         return OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count)
+
+    def all_gather_v(self, out, x, counts, *, async_op: bool = False):
+        """Blocks of any size: rank r's x (counts[r] rows) lands at rows sum(counts[:r]) of `out`
+        on every rank (MPI's Allgatherv). counts: the same list on every rank; zeros allowed."""
+        return self._post(vcollectives.all_gather_v(self, out, x, counts), async_op)
+
+    def all_gather_v_init(self, out, x, counts) -> Persistent:
+        """A persistent all_gather_v (see all_reduce_init)."""
+        return Persistent(self, vcollectives.all_gather_v(self, out, x, counts))
+
+    def reduce_scatter_v(self, out, x, counts, op=SUM, *, scale: float | None = None, async_op: bool = False):
+        """Reduce x (sum(counts) rows) over all ranks; rank r gets rows sum(counts[:r]) ..
+        sum(counts[:r+1]) in `out` (counts[r] rows; MPI's Reduce_scatter)."""
+        return self._post(vcollectives.reduce_scatter_v(self, out, x, counts, op, scale), async_op)
+
+    def reduce_scatter_v_init(self, out, x, counts, op=SUM, *, scale: float | None = None) -> Persistent:
+        """A persistent reduce_scatter_v (see all_reduce_init)."""
+        return Persistent(self, vcollectives.reduce_scatter_v(self, out, x, counts, op, scale))
 
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Copy root's x into x on every rank."""

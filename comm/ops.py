@@ -24,6 +24,8 @@ class OpKind(enum.IntEnum):
     SEND = 8
     RECV = 9
     BARRIER = 10
+    ALL_GATHER_V = 11
+    REDUCE_SCATTER_V = 12
 
     @property
     def label(self) -> str:
@@ -42,6 +44,10 @@ class OpDesc:
     GATHER         send[count] -> recv[n*count] on root (recv None elsewhere)
     SCATTER        send[n*count] on root (None elsewhere) -> recv[count]
     ALL_TO_ALL     send[sum(send_counts)] -> recv[sum(recv_counts)], packed in rank order
+    ALL_GATHER_V   send[recv_counts[rank]] -> recv[sum(recv_counts)], blocks in rank order
+                   (in place: send is recv's block `rank`); count is recv_counts[rank]
+    REDUCE_SCATTER_V send[sum(recv_counts)] -> recv[recv_counts[rank]]; count is recv_counts[rank]
+                   (the counts are MPI's recvcounts in both: the size of each rank's block)
     SEND / RECV    send or recv [count] with `peer` and `tag`; same (peer, tag) matches in order
     BARRIER        no buffers
     """

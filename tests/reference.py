@@ -73,6 +73,24 @@ def reduce(arrays: list[np.ndarray], op: ReduceOp, dtype: DType, scale: float = 
     return ufunc.reduce(stack, 0)
 
 
+def v_counts(n: int, seed: int, most: int) -> list[int]:
+    """counts for a v-collective of n ranks: uneven, zeros included (seed 0: all zero but the
+    last rank's)."""
+    if seed == 0:
+        return [0] * (n - 1) + [most]
+    rng = np.random.default_rng([seed, n])
+    counts = rng.integers(0, most + 1, n)
+    counts[rng.integers(0, n)] = 0
+    return [int(k) for k in counts]
+
+
+def reduce_scatter_v(ins: list[np.ndarray], counts, rank: int, op: ReduceOp, dtype: DType,
+                     scale: float = 1.0) -> np.ndarray:
+    """Rank `rank`'s block of the reduction of every rank's whole input."""
+    start = sum(counts[:rank])
+    return reduce(ins, op, dtype, scale)[start:start + counts[rank]]
+
+
 _TORCH = {DType.FLOAT16: "float16", DType.BFLOAT16: "bfloat16", DType.FLOAT32: "float32",
           DType.FLOAT64: "float64", DType.INT8: "int8", DType.INT16: "int16", DType.INT32: "int32",
           DType.INT64: "int64", DType.UINT8: "uint8", DType.BOOL: "bool"}

@@ -11,9 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import comm
+from comm.ops import OpKind
 from comm.types import DType, ReduceOp
 from harness import assert_no_problems, transport_params
-from reference import ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, values
+from reference import (ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, reduce_scatter_v,
+                       v_counts, values)
 
 SIZES = [0, 1, 1001, 300_001]          # 300_001 float32 crosses the native chunk size
 
@@ -136,6 +139,68 @@ def check_all_to_all(world, dtypes, row_width):
             want = np.concatenate([ins[q][s[q, :r].sum():s[q, :r + 1].sum()] for q in range(n)])
             p = mismatch(out, want, dtype, f"all_to_all_v {dtype.name} seed={seed} splits={s.tolist()}")
             problems += [p] if p else []
+    return problems
+
+
+_EVERY_OP = (DType.FLOAT32, DType.BFLOAT16, DType.INT64, DType.BOOL)
+
+
+def check_v_collectives(world, dtypes, most, seeds=(0, 1), every_op=True):
+    """all_gather_v / reduce_scatter_v (and their persistent forms) with uneven counts,
+    zeros included, every op of every dtype; or, on a transport without them, the refusal."""
+    problems, n, r = [], world.size, world.rank
+    if not world._transport.kinds >= {OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V}:
+        for call in (lambda: world.all_gather_v(np.zeros(1), np.zeros(1), [1] * n),
+                     lambda: world.reduce_scatter_v(np.zeros(1), np.zeros(n), [1] * n)):
+            try:
+                call()
+                problems.append(f"rank {r}: {world.transport} ran a v-collective it does not list")
+            except comm.TransportUnavailable as e:
+                if "does not support" not in str(e):
+                    problems.append(f"rank {r}: unclear refusal: {e}")
+        return problems
+    for seed in seeds:
+        counts = v_counts(n, seed, most)
+        total, start = sum(counts), sum(counts[:r])
+        for dtype in dtypes:
+            every = every_op and seed and dtype in _EVERY_OP   # the kernels are reduce_scatter's
+            for op in ops_for(dtype) if every else [ReduceOp.SUM]:
+                scale = 0.5 if op is ReduceOp.PREMUL_SUM else None
+                ins = [values(dtype, total, q, seed + 17 * int(op), op) for q in range(n)]
+                out = empty(counts[r], dtype)
+                world.reduce_scatter_v(out, make(ins[r], dtype), counts, op=op, scale=scale)
+                p = mismatch(out, reduce_scatter_v(ins, counts, r, op, dtype, 0.5), dtype,
+                             f"reduce_scatter_v {dtype.name} {op.name} counts={counts}")
+                problems += [f"rank {r}: {p}"] if p else []
+            ins = [values(dtype, counts[q], q, seed) for q in range(n)]
+            out = empty(total, dtype)
+            world.all_gather_v(out, make(ins[r], dtype), counts)
+            p = mismatch(out, np.concatenate(ins), dtype, f"all_gather_v {dtype.name} counts={counts}")
+            problems += [f"rank {r}: {p}"] if p else []
+        if not every_op:
+            continue
+        # rows of 3; in place (the input is this rank's block of the output); persistent forms
+        rows = [values(DType.FLOAT32, 3 * counts[q], q, 5).reshape(-1, 3) for q in range(n)]
+        out = make(np.concatenate([rows[q] if q == r else np.zeros((counts[q], 3)) for q in range(n)]),
+                   DType.FLOAT32)
+        world.all_gather_v(out, out[start:start + counts[r]], counts)
+        p = mismatch(out, np.concatenate(rows), DType.FLOAT32, f"all_gather_v in place counts={counts}")
+        problems += [f"rank {r}: {p}"] if p else []
+        gather = world.all_gather_v_init(out := empty(None, DType.FLOAT32, shape=(total, 3)),
+                                         make(rows[r], DType.FLOAT32), counts)
+        big = [values(DType.INT32, 3 * total, q, 9).reshape(-1, 3) for q in range(n)]
+        scattered = empty(None, DType.INT32, shape=(counts[r], 3))
+        scatter = world.reduce_scatter_v_init(scattered, make(big[r], DType.INT32), counts, op=ReduceOp.MAX)
+        for _ in range(2):
+            gather()
+            scatter.start()
+            scatter.wait()
+            p = mismatch(out, np.concatenate(rows), DType.FLOAT32, f"all_gather_v_init counts={counts}")
+            p = p or mismatch(scattered, reduce(big, ReduceOp.MAX, DType.INT32)[start:start + counts[r]],
+                              DType.INT32, f"reduce_scatter_v_init counts={counts}")
+            problems += [f"rank {r}: {p}"] if p else []
+        gather.close()
+        scatter.close()
     return problems
 
 
@@ -265,6 +330,17 @@ def test_broadcast_reduce_gather_scatter(cluster, transport, n):
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_all_to_all(cluster, transport, n):
     _run(cluster, transport, n, check_all_to_all, [DType.FLOAT32, DType.FLOAT16, DType.INT32], 3)
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_v_collectives(cluster, transport, n):
+    _run(cluster, transport, n, check_v_collectives,
+         ALL_DTYPES if n > 1 else dtypes(DType.FLOAT32, DType.BFLOAT16), 1001)
+
+
+def test_v_collectives_large(cluster, transport):
+    """Blocks past the direct path (the ring) and past the single-copy threshold (cma)."""
+    _run(cluster, transport, 2, check_v_collectives, [DType.FLOAT32], 3_000_001, (1,), False)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

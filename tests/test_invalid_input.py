@@ -49,6 +49,12 @@ def _cases(world):
         "split_negative": ("all_to_all", lambda: world.all_to_all(np.ones(n, np.float32), np.ones(n, np.float32),
                                                                   [1] * n, [-1, 2] + [1] * (n - 2))),
         "rows_not_divisible": ("all_to_all", lambda: world.all_to_all(np.ones(n + 1, np.float32), np.ones(n + 1, np.float32))),
+        "v_counts_length": ("all_gather_v", lambda: world.all_gather_v(f32, f32[:1], [1] * (n + 1))),
+        "v_counts_negative": ("reduce_scatter_v", lambda: world.reduce_scatter_v(
+            f32[:1], np.ones(n, np.float32), [-1, 2] + [1] * (n - 2))),
+        "v_counts_not_int": ("all_gather_v", lambda: world.all_gather_v(f32, f32[:1], [1.0] * n)),
+        "v_input_rows": ("all_gather_v", lambda: world.all_gather_v(np.ones(n + 1, np.float32), f32[:2], [1] * n)),
+        "v_output_rows": ("reduce_scatter_v", lambda: world.reduce_scatter_v(f32[:2], np.ones(n, np.float32), [1] * n)),
         "root_too_large": ("broadcast", lambda: world.broadcast(f32, root=n)),
         "root_negative": ("reduce", lambda: world.reduce(f32, root=-1)),
         "root_not_int": ("gather", lambda: world.gather(None, f32, root=0.5)),
@@ -85,6 +91,7 @@ CASES = ["non_contiguous_numpy", "non_contiguous_torch", "read_only_output", "un
          "not_an_array", "band_on_float", "avg_on_int", "premul_without_factor", "unknown_op",
          "all_reduce_out_size", "mixed_dtypes", "reduce_scatter_sizes", "all_gather_sizes",
          "split_sum_wrong", "split_length_wrong", "split_negative", "rows_not_divisible",
+         "v_counts_length", "v_counts_negative", "v_counts_not_int", "v_input_rows", "v_output_rows",
          "root_too_large", "root_negative", "root_not_int", "scatter_root_without_input",
          "peer_out_of_range", "send_to_self", "recv_from_self", "negative_tag",
          "cuda_buffer_on_cpu_transport"]

@@ -9,15 +9,16 @@ import pytest
 
 from comm.types import DType, ReduceOp
 from harness import assert_no_problems
-from reference import empty, make, mismatch, reduce, values
+from reference import empty, make, mismatch, reduce, reduce_scatter_v, v_counts, values
 
 # Which kinds each algorithm implements (shm-only ones fall back over TCP).
 IMPLEMENTS = {
-    "ring": {"all_reduce", "reduce_scatter", "all_gather"},
+    "ring": {"all_reduce", "reduce_scatter", "all_gather", "all_gather_v", "reduce_scatter_v"},
     "tree": {"all_reduce", "broadcast", "reduce"},
     "rd": {"all_reduce"},
-    "direct": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "barrier"},
-    "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast"},
+    "direct": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "barrier",
+               "all_gather_v", "reduce_scatter_v"},
+    "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_v", "reduce_scatter_v"},
     "linear": {"gather", "scatter"},
     "pairwise": {"all_to_all"},
     "dissemination": {"barrier"},
@@ -52,6 +53,15 @@ def check_every_collective(world, algo, channels):
             out = empty(count, dtype)
             world.reduce_scatter(out, make(big[r], dtype), op=op, scale=scale)
             note("reduce_scatter", what, out, reduce(big, op, dtype, 0.5)[r * count:(r + 1) * count], dtype)
+
+            counts = v_counts(n, count, count)  # uneven, zeros included
+            vin = [values(dtype, sum(counts), q, count + 9, op) for q in range(n)]
+            out = empty(counts[r], dtype)
+            world.reduce_scatter_v(out, make(vin[r], dtype), counts, op=op, scale=scale)
+            note("reduce_scatter_v", f"{what} {counts}", out, reduce_scatter_v(vin, counts, r, op, dtype, 0.5), dtype)
+            out = empty(sum(counts), dtype)
+            world.all_gather_v(out, make(vin[r][:counts[r]], dtype), counts)
+            note("all_gather_v", f"{what} {counts}", out, np.concatenate([vin[q][:counts[q]] for q in range(n)]), dtype)
 
             root = n - 1
             out = empty(count, dtype) if r == root else None

@@ -25,6 +25,9 @@ class Transport(abc.ABC):
     # Receives may name no peer (OpDesc.peer -1): matched by the first message of their tag
     # from any rank, whose sender the request's `source` then gives.
     any_source: ClassVar[bool] = False
+    # The operations it runs: the v-collectives only where a transport implements them (the
+    # communicator refuses the others with TransportUnavailable, before anything is sent).
+    kinds: ClassVar[frozenset[OpKind]] = frozenset(OpKind) - {OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V}
 
     rank: int
     size: int

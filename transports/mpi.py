@@ -159,6 +159,7 @@ def load_mpi():
 
 class MPITransport(Transport):
     name = "mpi"
+    kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
 
     def __init__(self, comm, owned: bool):
@@ -241,7 +242,7 @@ class MPITransport(Transport):
         """PREMUL_SUM: the input times scale, in the output where that is in place-safe,
         else in a temporary (the caller's input must not change)."""
         src = desc.send
-        if desc.kind is OpKind.REDUCE_SCATTER or desc.recv is None:
+        if desc.kind in (OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V) or desc.recv is None:
             scaled = np.empty(src.count, desc.dtype.numpy_storage)
             _native.scale(desc.dtype, scaled.ctypes.data, src.ptr, src.count, desc.scale)
             tmp = Buffer(scaled.ctypes.data, src.count, desc.dtype, (src.count,), obj=scaled)
@@ -264,7 +265,7 @@ def _replace(desc: OpDesc, **changes) -> OpDesc:
     return OpDesc(**fields)
 
 
-_REDUCING = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER})
+_REDUCING = frozenset({OpKind.ALL_REDUCE, OpKind.REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V})
 _EXTRA_STEPS = frozenset({ReduceOp.AVG, ReduceOp.PREMUL_SUM})
 
 
@@ -319,6 +320,21 @@ def _all_to_all(t: MPITransport, d: OpDesc, nb: bool):
     return (t.comm.Ialltoallv if nb else t.comm.Alltoallv)(send, recv)
 
 
+def _all_gather_v(t: MPITransport, d: OpDesc, nb: bool):
+    counts = d.recv_counts
+    displs = _displs(counts)
+    in_place = d.send.ptr == d.recv.ptr + displs[t.rank] * d.dtype.itemsize
+    send = MPI.IN_PLACE if in_place else _mem(d.send)
+    recv = [MPI.buffer.fromaddress(d.recv.ptr, d.recv.nbytes), (counts, displs), _TYPES[d.dtype]]
+    return (t.comm.Iallgatherv if nb else t.comm.Allgatherv)(send, recv)
+
+
+def _reduce_scatter_v(t: MPITransport, d: OpDesc, nb: bool):
+    op = _OPS[d.dtype, d.op]
+    return (t.comm.Ireduce_scatter if nb else t.comm.Reduce_scatter)(_mem(d.send), _mem(d.recv),
+                                                                       list(d.recv_counts), op)
+
+
 def _check_tag(t: MPITransport, d: OpDesc) -> None:
     if d.tag > t._tag_ub:
         raise InvalidArgument(f"tag {d.tag} exceeds this MPI's largest tag {t._tag_ub}")
@@ -341,6 +357,7 @@ def _barrier(t: MPITransport, d: OpDesc, nb: bool):
 _CALLS = {OpKind.ALL_REDUCE: _all_reduce, OpKind.REDUCE_SCATTER: _reduce_scatter,
           OpKind.ALL_GATHER: _all_gather, OpKind.BROADCAST: _broadcast, OpKind.REDUCE: _reduce,
           OpKind.GATHER: _gather, OpKind.SCATTER: _scatter, OpKind.ALL_TO_ALL: _all_to_all,
-          OpKind.SEND: _send, OpKind.RECV: _recv, OpKind.BARRIER: _barrier}
+          OpKind.SEND: _send, OpKind.RECV: _recv, OpKind.BARRIER: _barrier,
+          OpKind.ALL_GATHER_V: _all_gather_v, OpKind.REDUCE_SCATTER_V: _reduce_scatter_v}
 
 register(MPITransport)

@@ -127,6 +127,7 @@ class NativePrepared:
 
 class NativeTransport(Transport):
     name = "native"
+    kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
     any_source = True
     net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP

@@ -52,12 +52,36 @@ void linear_scatter(Comm& c, const Coll& op);
 // direct.cc: every rank on one host, payload copied through shared-memory slots
 void direct_collective(Comm& c, const Coll& op);
 bool direct_fits(const Comm& c, const Coll& op);
+// out[0:n) = slot[0] op slot[1] op ... (each at `offset` of its slot's data), in rank order,
+// identical on every rank.
+void reduce_slots(const Comm& c, const Coll& op, uint64_t round, size_t offset, char* out, size_t n);
 // cma.cc: every rank on one host, single-copy reads of peers' buffers (process_vm_readv)
 void cma_all_reduce(Comm& c, const Coll& op);
 void cma_reduce_scatter(Comm& c, const Coll& op);
 void cma_all_gather(Comm& c, const Coll& op);
 void cma_broadcast(Comm& c, const Coll& op);
 bool cma_fits(const Comm& c, const Coll& op);
+
+// ring.cc / vcoll.cc / cma.cc: v-collectives (blocks of any size, counts in op.recv_counts)
+void ring_all_gather_v(Comm& c, const Coll& op);
+void ring_reduce_scatter_v(Comm& c, const Coll& op);
+void direct_all_gather_v(Comm& c, const Coll& op);
+void direct_reduce_scatter_v(Comm& c, const Coll& op);
+bool direct_v_fits(const Comm& c, const Coll& op);
+void cma_all_gather_v(Comm& c, const Coll& op);
+void cma_reduce_scatter_v(Comm& c, const Coll& op);
+// The value a v-collective's headers carry in `count`: equal counts, equal fingerprints.
+uint64_t counts_fingerprint(const std::vector<uint64_t>& counts);
+// Proves every rank of the group passed the same counts, before any payload moves; else
+// MISMATCH naming both ranks' counts. Every v algorithm starts with it (or, on one host,
+// with publish_counts / check_counts in its first slot round), so ranks that disagree fail
+// whichever algorithm each chose.
+void agree_on_counts(Comm& c, const Coll& op);
+// Bytes at the start of a slot's data that hold the counts; the payload follows.
+size_t counts_area(const Comm& c);
+void publish_counts(const Comm& c, const Coll& op, uint64_t round);
+// MISMATCH unless local peer `p`'s slot of `round` holds this op (counts named when they differ).
+void check_counts(const Comm& c, const Coll& op, uint64_t round, int p);
 
 struct Algorithm {
   const char* name;

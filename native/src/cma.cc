@@ -23,12 +23,15 @@ struct Remote {
   uint64_t recv;
 };
 
-// Round 1: publish our buffers and learn everyone's (after checking they run the same op).
+// Round 1: publish our buffers and learn everyone's (after checking they run the same op;
+// a v-collective also publishes its counts, and checks them).
 std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
   const ShmDomain& shm = *c.shm;
+  const bool v = op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V;
   const uint64_t round = c.begin_round();
   Slot* mine = shm.slot(shm.me(), round);
-  mine->hdr = op.header(bytes);
+  if (v) publish_counts(c, op, round);
+  else mine->hdr = op.header(bytes);
   mine->send_addr = reinterpret_cast<uint64_t>(op.send);
   mine->recv_addr = reinterpret_cast<uint64_t>(op.recv);
   c.publish_round(round);
@@ -36,7 +39,7 @@ std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
   std::vector<Remote> peers(c.size);
   for (int p = 0; p < c.size; p++) {
     const Slot* s = shm.slot(p, round);
-    if (p != shm.me()) check_header(s->hdr, mine->hdr, p);
+    if (p != shm.me()) v ? check_counts(c, op, round, p) : check_header(s->hdr, mine->hdr, p);
     peers[p] = {static_cast<pid_t>(shm.seg(p)->pid), s->send_addr, s->recv_addr};
   }
   return peers;
@@ -89,7 +92,8 @@ void reduce_from_peers(Comm& c, const Coll& op, const std::vector<Remote>& peers
 bool cma_fits(const Comm& c, const Coll& op) {
   return c.all_local() && c.cma &&
          (op.kind == OpKind::ALL_REDUCE || op.kind == OpKind::REDUCE_SCATTER ||
-          op.kind == OpKind::ALL_GATHER || op.kind == OpKind::BROADCAST);
+          op.kind == OpKind::ALL_GATHER || op.kind == OpKind::BROADCAST ||
+          op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V);
 }
 
 void cma_all_reduce(Comm& c, const Coll& op) {
@@ -119,6 +123,25 @@ void cma_all_gather(Comm& c, const Coll& op) {
   if (bytes && op.send != op.recv + c.rank * bytes) std::memcpy(op.recv + c.rank * bytes, op.send, bytes);
   for (int p = 0; p < c.size; p++)
     if (p != c.rank) read_remote(c, peers[p], p, peers[p].send, op.recv + p * bytes, bytes);
+  sync_round(c);
+}
+
+void cma_all_gather_v(Comm& c, const Coll& op) {
+  const CountedBlocks b{*op.recv_counts};
+  const auto peers = exchange_addresses(c, op, 0);
+  char* mine = op.recv + b.offset(c.rank) * op.elem;
+  if (b.size(c.rank) && op.send != mine) std::memcpy(mine, op.send, b.size(c.rank) * op.elem);
+  for (int p = 0; p < c.size; p++)
+    if (p != c.rank)
+      read_remote(c, peers[p], p, peers[p].send, op.recv + b.offset(p) * op.elem, b.size(p) * op.elem);
+  sync_round(c);
+}
+
+void cma_reduce_scatter_v(Comm& c, const Coll& op) {
+  const CountedBlocks b{*op.recv_counts};
+  const auto peers = exchange_addresses(c, op, 0);
+  const size_t mine = b.offset(c.rank) * op.elem;
+  reduce_from_peers(c, op, peers, mine, op.send + mine, op.recv, b.size(c.rank));
   sync_round(c);
 }
 

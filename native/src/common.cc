@@ -16,7 +16,7 @@ bool is_floating(DType t) { return t <= DType::F64; }
 const char* kind_name(OpKind k) {
   static const char* names[] = {"all_reduce", "reduce_scatter", "all_gather", "broadcast",
                                 "reduce", "gather", "scatter", "all_to_all", "send", "recv",
-                                "barrier"};
+                                "barrier", "all_gather_v", "reduce_scatter_v"};
   return names[static_cast<int>(k)];
 }
 

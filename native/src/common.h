@@ -14,7 +14,7 @@ enum class DType : uint8_t { F16 = 0, BF16, F32, F64, I8, I16, I32, I64, U8, BOO
 enum class ReduceOp : uint8_t { SUM = 0, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR, PREMUL_SUM, COUNT };
 enum class OpKind : uint8_t {
   ALL_REDUCE = 0, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, GATHER, SCATTER,
-  ALL_TO_ALL, SEND, RECV, BARRIER, COUNT
+  ALL_TO_ALL, SEND, RECV, BARRIER, ALL_GATHER_V, REDUCE_SCATTER_V, COUNT
 };
 
 size_t itemsize(DType t);

@@ -20,9 +20,9 @@ size_t published_bytes(const Comm& c, const Coll& op) {
   }
 }
 
-// out = slot[0] op slot[1] op ... in rank order, identical on every rank.
-void reduce_slots(const Comm& c, const Coll& op, uint64_t round, size_t offset, char* out) {
-  const size_t n = op.count;
+}  // namespace
+
+void reduce_slots(const Comm& c, const Coll& op, uint64_t round, size_t offset, char* out, size_t n) {
   const ShmDomain& shm = *c.shm;
   if (c.size == 1) {
     std::memcpy(out, shm.slot_data(0, round) + offset, n * op.elem);
@@ -31,8 +31,6 @@ void reduce_slots(const Comm& c, const Coll& op, uint64_t round, size_t offset, 
   op.reduce(out, shm.slot_data(0, round) + offset, shm.slot_data(1, round) + offset, n);
   for (int p = 2; p < c.size; p++) op.reduce(out, out, shm.slot_data(p, round) + offset, n);
 }
-
-}  // namespace
 
 bool direct_fits(const Comm& c, const Coll& op) {
   return c.all_local() && published_bytes(c, op) <= kSlotBytes && op.kind != OpKind::SCATTER &&
@@ -56,11 +54,11 @@ void direct_collective(Comm& c, const Coll& op) {
   const size_t block = op.count * op.elem;
   if (!block) return;  // nothing to read (and an empty array may have no address at all)
   switch (op.kind) {
-    case OpKind::ALL_REDUCE: reduce_slots(c, op, round, 0, op.recv); break;
+    case OpKind::ALL_REDUCE: reduce_slots(c, op, round, 0, op.recv, op.count); break;
     case OpKind::REDUCE:
-      if (c.rank == op.root) reduce_slots(c, op, round, 0, op.recv);
+      if (c.rank == op.root) reduce_slots(c, op, round, 0, op.recv, op.count);
       break;
-    case OpKind::REDUCE_SCATTER: reduce_slots(c, op, round, c.rank * block, op.recv); break;
+    case OpKind::REDUCE_SCATTER: reduce_slots(c, op, round, c.rank * block, op.recv, op.count); break;
     case OpKind::ALL_GATHER:
       for (int p = 0; p < c.size; p++) std::memcpy(op.recv + p * block, shm.slot_data(p, round), block);
       break;

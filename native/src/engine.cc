@@ -207,7 +207,11 @@ void Engine::execute(Op& op) {
 
 // A group of one: every collective is a local copy.
 static void run_alone(const Coll& op) {
-  const size_t bytes = op.kind == OpKind::ALL_TO_ALL ? (*op.send_counts)[0] * op.elem : op.count * op.elem;
+  const bool split = op.kind == OpKind::ALL_TO_ALL;
+  const bool v = op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V;
+  const size_t bytes = split ? (*op.send_counts)[0] * op.elem
+                       : v   ? (*op.recv_counts)[0] * op.elem
+                             : op.count * op.elem;
   if (bytes && op.recv != op.send && op.kind != OpKind::BARRIER)
     std::memmove(op.recv, op.send, bytes);
 }
@@ -227,6 +231,10 @@ Coll Engine::describe(const OpArgs& a) const {
   op.elem = itemsize(a.dtype);
   if (op.kind == OpKind::BROADCAST) op.send = op.recv;
   if (op.kind == OpKind::ALL_TO_ALL) op.count = 0;  // per-peer counts differ; lengths are checked
+  // The headers of a v-collective carry a fingerprint of its counts: ranks that disagree on
+  // any block's size fail on the first header they compare (vcoll.cc names the counts).
+  if (op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V)
+    op.count = counts_fingerprint(a.recv_counts);
   return op;
 }
 
@@ -234,10 +242,16 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
   const int n = comm_.size;
   Coll op = describe(a);
   op.seq = seq;
-  // Elements each rank contributes to a reduction (its whole input).
-  const size_t in_count = op.kind == OpKind::REDUCE_SCATTER ? n * op.count : op.count;
+  // Elements each rank contributes to a reduction (its whole input), and of its result.
+  size_t in_count = op.kind == OpKind::REDUCE_SCATTER ? n * op.count : op.count;
+  size_t out_count = op.count;
+  if (op.kind == OpKind::REDUCE_SCATTER_V) {
+    in_count = 0;
+    for (uint64_t k : a.recv_counts) in_count += k;
+    out_count = a.count;
+  }
   const bool reduces = op.kind == OpKind::ALL_REDUCE || op.kind == OpKind::REDUCE_SCATTER ||
-                       op.kind == OpKind::REDUCE;
+                       op.kind == OpKind::REDUCE || op.kind == OpKind::REDUCE_SCATTER_V;
   if (reduces && a.op == ReduceOp::PREMUL_SUM) {
     // Each rank's factor may differ, so scale the local input before anything is sent.
     char* scaled = comm_.scratch(3, in_count * op.elem);
@@ -257,7 +271,7 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
   }
   const bool has_result = op.kind != OpKind::REDUCE || comm_.rank == op.root;
   if (reduces && a.op == ReduceOp::AVG && has_result)
-    scale_fn(a.dtype)(op.recv, op.recv, op.count, 1.0 / n);
+    scale_fn(a.dtype)(op.recv, op.recv, out_count, 1.0 / n);
 }
 
 void Engine::abort() {

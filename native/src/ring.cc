@@ -13,8 +13,8 @@ namespace {
 
 // After this, the fully reduced block `g.me` of `in` is at partial(n-2, g.me).
 // partial(step, block) is where the partial result of `block` after `step` is written.
-template <class Partial>
-void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Blocks& b,
+template <class Layout, class Partial>
+void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Layout& b,
                         Partial partial) {
   const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
   const size_t step_elems = chunk_elems(c.opt.chunk_bytes, op.elem);
@@ -39,6 +39,18 @@ void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in,
   }
 }
 
+// Block `g.me` of buf is in place; afterwards every block is.
+template <class Layout>
+void gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Layout& b) {
+  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
+  const WireHeader h = op.header(0);
+  for (int s = 0; s < n - 1; s++) {
+    const int send_blk = mod(r - s, n), recv_blk = mod(r - s - 1, n);
+    c.sendrecv(next, buf + b.offset(send_blk) * op.elem, b.size(send_blk) * op.elem, prev,
+               buf + b.offset(recv_blk) * op.elem, b.size(recv_blk) * op.elem, h);
+  }
+}
+
 }  // namespace
 
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
@@ -52,13 +64,7 @@ void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks
 }
 
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {
-  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
-  const WireHeader h = op.header(0);
-  for (int s = 0; s < n - 1; s++) {
-    const int send_blk = mod(r - s, n), recv_blk = mod(r - s - 1, n);
-    c.sendrecv(next, buf + b.offset(send_blk) * op.elem, b.size(send_blk) * op.elem, prev,
-               buf + b.offset(recv_blk) * op.elem, b.size(recv_blk) * op.elem, h);
-  }
+  gather_blocks(c, g, op, buf, b);
 }
 
 void ring_all_reduce(Comm& c, const Group& g, const Coll& op) {
@@ -86,6 +92,27 @@ void ring_all_gather(Comm& c, const Group& g, const Coll& op) {
   char* mine = op.recv + g.me * bytes;
   if (bytes && op.send != mine) std::memcpy(mine, op.send, bytes);
   ring_gather_blocks(c, g, op, op.recv, Blocks{op.count * g.size(), g.size()});
+}
+
+// The v forms: the same schedules over blocks of the counts' sizes, after the check that
+// every rank passed the same counts (agree_on_counts, vcoll.cc).
+void ring_all_gather_v(Comm& c, const Coll& op) {
+  agree_on_counts(c, op);
+  const CountedBlocks b{*op.recv_counts};
+  const size_t bytes = b.size(c.rank) * op.elem;
+  char* mine = op.recv + b.offset(c.rank) * op.elem;
+  if (bytes && op.send != mine) std::memcpy(mine, op.send, bytes);
+  gather_blocks(c, c.world, op, op.recv, b);
+}
+
+void ring_reduce_scatter_v(Comm& c, const Coll& op) {
+  agree_on_counts(c, op);
+  const CountedBlocks b{*op.recv_counts};
+  const size_t bytes = b.largest() * op.elem;
+  char* partials[2] = {c.scratch(1, bytes), c.scratch(2, bytes)};
+  ring_reduce_blocks(c, c.world, op, op.send, b, [&](int step, int) {
+    return step == c.size - 2 ? op.recv : partials[step & 1];
+  });
 }
 
 void ring_all_reduce(Comm& c, const Coll& op) { ring_all_reduce(c, c.world, op); }

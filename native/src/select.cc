@@ -45,6 +45,12 @@ constexpr Row kTable[] = {
     {"linear", OpKind::GATHER, linear_gather, anywhere},
     {"linear", OpKind::SCATTER, linear_scatter, anywhere},
     {"pairwise", OpKind::ALL_TO_ALL, pairwise_all_to_all, anywhere},
+    {"direct", OpKind::ALL_GATHER_V, direct_all_gather_v, direct_v_fits},
+    {"cma", OpKind::ALL_GATHER_V, cma_all_gather_v, cma_fits},
+    {"ring", OpKind::ALL_GATHER_V, ring_all_gather_v, anywhere},
+    {"direct", OpKind::REDUCE_SCATTER_V, direct_reduce_scatter_v, direct_v_fits},
+    {"cma", OpKind::REDUCE_SCATTER_V, cma_reduce_scatter_v, cma_fits},
+    {"ring", OpKind::REDUCE_SCATTER_V, ring_reduce_scatter_v, anywhere},
     {"direct", OpKind::BARRIER, direct_collective, direct_fits},
     {"dissemination", OpKind::BARRIER, dissemination_barrier, anywhere},
 };
@@ -67,8 +73,20 @@ const Row* find(const char* name, const Comm& c, const Coll& op) {
 // COMM_ALGO=flat: the automatic choice without the two-level rows (the topology ignored).
 constexpr const char* kFlat = "flat";
 
+// The size the thresholds below compare: one rank's payload of the direct path (all_gather:
+// its block; reduce_scatter: its whole input). A v-collective's counts are alike on every
+// rank, so is this: its mean block, or its whole input.
+size_t measure(const Comm& c, const Coll& op) {
+  if (op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V) {
+    size_t total = 0;
+    for (uint64_t k : *op.recv_counts) total += k;
+    return (op.kind == OpKind::ALL_GATHER_V ? total / c.size : total) * op.elem;
+  }
+  return (op.kind == OpKind::REDUCE_SCATTER ? c.size : 1) * op.count * op.elem;
+}
+
 const Row& automatic(const Comm& c, const Coll& op) {
-  const size_t bytes = (op.kind == OpKind::REDUCE_SCATTER ? c.size : 1) * op.count * op.elem;
+  const size_t bytes = measure(c, op);
   const Row* row = nullptr;
   if (c.opt.algo != kFlat) row = find("twolevel", c, op);
   if (!row && bytes <= c.opt.direct_max_bytes) row = find("direct", c, op);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace comm {
@@ -84,6 +85,21 @@ struct Blocks {
   int n;
   size_t size(int i) const { return count / n + (static_cast<size_t>(i) < count % n ? 1 : 0); }
   size_t offset(int i) const { return count / n * i + std::min<size_t>(i, count % n); }
+};
+
+// Blocks of the sizes a v-collective's counts give, packed in rank order.
+struct CountedBlocks {
+  std::vector<size_t> offsets;  // n + 1 prefix sums
+  explicit CountedBlocks(const std::vector<uint64_t>& counts) : offsets(counts.size() + 1, 0) {
+    for (size_t i = 0; i < counts.size(); i++) offsets[i + 1] = offsets[i] + counts[i];
+  }
+  size_t size(int i) const { return offsets[i + 1] - offsets[i]; }
+  size_t offset(int i) const { return offsets[i]; }
+  size_t largest() const {
+    size_t m = 0;
+    for (size_t i = 0; i + 1 < offsets.size(); i++) m = std::max(m, offsets[i + 1] - offsets[i]);
+    return m;
+  }
 };
 
 // Binomial tree rooted at `root`: a node's subtree spans the ranks (relative to root)

@@ -61,6 +61,7 @@ void validate(const OpArgs& a, int rank, int size) {
   switch (a.kind) {
     case OpKind::ALL_REDUCE:
     case OpKind::REDUCE_SCATTER:
+    case OpKind::REDUCE_SCATTER_V:
     case OpKind::REDUCE:
       if (!reduce_fn(a.dtype, a.op))
         invalid("reduce op code " + std::to_string(static_cast<int>(a.op)) +
@@ -109,6 +110,19 @@ void validate(const OpArgs& a, int rank, int size) {
                 " elements (in_splits[" + std::to_string(rank) + "]) but expects " +
                 std::to_string(a.recv_counts[rank]) + " (out_splits[" + std::to_string(rank) +
                 "]): the two must be equal");
+      break;
+    }
+    case OpKind::ALL_GATHER_V:
+    case OpKind::REDUCE_SCATTER_V: {
+      // counts[r]: the elements of rank r's block, alike on every rank (the algorithms check
+      // that across ranks before a payload byte moves). count is this rank's own block.
+      const uint64_t total = split_bytes(a.recv_counts, size, elem, "counts");
+      if (a.count != a.recv_counts[rank])
+        invalid("count " + std::to_string(a.count) + " differs from counts[" + std::to_string(rank) +
+                "] = " + std::to_string(a.recv_counts[rank]));
+      const bool gathers = a.kind == OpKind::ALL_GATHER_V;
+      fits("input", a.send, a.send_bytes, gathers ? block : total);
+      fits("output", a.recv, a.recv_bytes, gathers ? total : block);
       break;
     }
     case OpKind::SEND:
