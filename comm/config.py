@@ -95,17 +95,18 @@ def _algo(s: str) -> str:
     return s
 
 
-def _ipv4(s: str) -> str:
+def _ip(s: str) -> str:
     try:
-        ipaddress.IPv4Address(s)
+        ipaddress.ip_address(s)
     except ValueError:
-        raise ValueError("an IPv4 address of this host, e.g. 10.0.0.5") from None
+        raise ValueError("an IPv4 or IPv6 address of this host, e.g. 10.0.0.5 or fd00::5") from None
     return s
 
 
-def _ifname(s: str) -> str:
-    if len(s) > 15 or "/" in s or " " in s:
-        raise ValueError("a network interface name such as eth0 (at most 15 characters)")
+def _ifnames(s: str) -> str:
+    names = s.lstrip("^").lstrip("=").split(",")
+    if not all(names) or any(len(n) > 15 or "/" in n or " " in n for n in names):
+        raise ValueError("interface names or prefixes, comma-separated, e.g. eth0, eth,ib, =eth0 or ^docker,lo")
     return s
 
 
@@ -117,8 +118,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", _int_at_least(1)),
     Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the engine's ring and tree algorithms (native, ucx), in bytes.", _int_at_least(1)),
     Variable("COMM_SECRET", "", "Shared job secret: every connection proves it with an HMAC challenge. Empty: unauthenticated (a warning says so).", _opt_str),
-    Variable("COMM_BIND_ADDR", "", "IPv4 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ipv4(s) if s else None),
-    Variable("COMM_IFNAME", "", "Network interface to bind to (its IPv4 address is used), e.g. eth0.", lambda s: _ifname(s) if s else None),
+    Variable("COMM_BIND_ADDR", "", "IPv4 or IPv6 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ip(s) if s else None),
+    Variable("COMM_SOCKET_IFNAME", "", "Network interfaces to listen on, as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: comma-separated name prefixes (eth,ib), =names for exact ones, ^ to exclude (^docker,lo); the first that has an address is used (IPv4, else IPv6). Empty: the interface whose route reaches MASTER_ADDR.", lambda s: _ifnames(s) if s else None),
     Variable("COMM_FLIGHT_RECORDER", "", "File to which each rank appends its last operations when an operation fails; empty: stderr.", _opt_str),
     Variable("COMM_VERBS_DEVICE", "", "RDMA device (and port) for the verbs transport, e.g. mlx5_0 or mlx5_0:1. Empty: the first active port.", _opt_str),
     Variable("COMM_VERBS_GID_INDEX", "-1", "GID table index for the verbs transport (RoCE needs one; RoCEv2 is often 3). -1: the first non-zero GID of the port.", _int_at_least(-1)),

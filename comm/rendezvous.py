@@ -6,6 +6,7 @@ launcher and fills in what it knows. Explicit arguments to comm.init() win over 
 from __future__ import annotations
 
 import fcntl
+import ipaddress
 import os
 import re
 import socket
@@ -157,6 +158,11 @@ def share_address_through_mpi(placement: Placement) -> Placement:
     return placement
 
 
+def listen_socket(addr: str) -> socket.socket:
+    """A TCP socket of the family of `addr` (IPv4 or IPv6), not yet bound."""
+    return socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -174,27 +180,70 @@ def routable_address() -> str:
     return "127.0.0.1"
 
 
-def interface_address(ifname: str) -> str:
-    """The IPv4 address of network interface `ifname` (SIOCGIFADDR)."""
+def _ipv4_of(ifname: str) -> str | None:
+    """The IPv4 address of interface `ifname` (SIOCGIFADDR), or None."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))
-        except OSError as e:
-            raise InvalidArgument(f"COMM_IFNAME={ifname!r}: no IPv4 address ({e.strerror})", op="init") from None
+        except OSError:
+            return None
     return socket.inet_ntoa(packed[20:24])
 
 
+def _ipv6_of(ifname: str) -> str | None:
+    """A global (not link-local) IPv6 address of interface `ifname`, or None."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    for row in rows:
+        if len(row) == 6 and row[5] == ifname and not row[0].startswith("fe80"):
+            return str(ipaddress.IPv6Address(bytes.fromhex(row[0])))
+    return None
+
+
+def matching_interfaces(spec: str, names: list[str]) -> list[str]:
+    """The interfaces of `names` that COMM_SOCKET_IFNAME `spec` selects, in `names`' order, as
+    NCCL_SOCKET_IFNAME reads it: comma-separated prefixes ("eth,ib" takes eth0, ib1, ...),
+    "=" before the list for exact names, "^" before it to exclude instead ("^docker,lo")."""
+    exclude = spec.startswith("^")
+    spec = spec[1:] if exclude else spec
+    exact = spec.startswith("=")
+    wanted = [w for w in (spec[1:] if exact else spec).split(",") if w]
+
+    def hit(name: str) -> bool:
+        return any(name == w if exact else name.startswith(w) for w in wanted)
+
+    return [n for n in names if hit(n) != exclude]
+
+
+def interface_address(spec: str) -> str:
+    """The address of the first interface COMM_SOCKET_IFNAME `spec` selects that has one
+    (IPv4 first, else a global IPv6 address)."""
+    names = [name for _, name in socket.if_nameindex()]
+    chosen = matching_interfaces(spec, names)
+    for name in chosen:
+        addr = _ipv4_of(name) or _ipv6_of(name)
+        if addr:
+            return addr
+    why = f"interfaces {', '.join(chosen)} have no address" if chosen else f"no interface matches (here: {', '.join(names)})"
+    raise InvalidArgument(f"COMM_SOCKET_IFNAME={spec!r}: {why}", op="init")
+
+
 def bind_address() -> str | None:
-    """Where to bind listening sockets: COMM_BIND_ADDR, else COMM_IFNAME's address, else None."""
+    """Where to bind listening sockets: COMM_BIND_ADDR, else the address of the interface
+    COMM_SOCKET_IFNAME selects, else None (listen_address then picks the one that reaches
+    MASTER_ADDR)."""
     addr = config.get("COMM_BIND_ADDR")
     if addr:
         return addr
-    ifname = config.get("COMM_IFNAME")
-    return interface_address(ifname) if ifname else None
+    spec = config.get("COMM_SOCKET_IFNAME")
+    return interface_address(spec) if spec else None
 
 
 def listen_address(master_addr: str) -> str:
-    """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_IFNAME when set, else
+    """Where rank 0's rendezvous store listens: COMM_BIND_ADDR / COMM_SOCKET_IFNAME when set, else
     MASTER_ADDR itself when it is an address of this host (so MASTER_ADDR=127.0.0.1 keeps the
     store on loopback), else the local address our route to it starts from (a UDP connect
     sends nothing). A host name other than localhost that resolves to loopback here (Debian
@@ -204,19 +253,20 @@ def listen_address(master_addr: str) -> str:
     if explicit:
         return explicit
     try:
-        resolved = socket.gethostbyname(master_addr)
+        family, *_, sockaddr = socket.getaddrinfo(master_addr, None, type=socket.SOCK_STREAM)[0]
     except OSError as e:
         raise InvalidArgument(f"MASTER_ADDR {master_addr!r} does not resolve ({e})", op="init") from None
+    resolved = sockaddr[0]
     literal = resolved == master_addr or master_addr == "localhost"
-    if resolved.startswith("127.") and not literal:
-        return "0.0.0.0"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    if ipaddress.ip_address(resolved).is_loopback and not literal:
+        return "::" if family == socket.AF_INET6 else "0.0.0.0"
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.bind((resolved, 0))
             return resolved        # an address of this host: exactly there
         except OSError:
             pass
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:                       # not ours (a NAT or service address): where the route leaves
             s.connect((resolved, 9))
             return s.getsockname()[0]

@@ -392,7 +392,7 @@ class Store(KeyValueStore):
             except InvalidArgument as e:
                 raise e.locate(rank, "init") from None
             try:
-                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener = rendezvous.listen_socket(bind)
             except OSError as e:
                 raise from_os_error(e, rank=rank, op="init") from None
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -154,15 +155,23 @@ def test_explicit_port_wins_over_agent_store():
 
 
 def test_bind_address_from_interface(monkeypatch):
-    monkeypatch.setenv("COMM_IFNAME", "lo")
+    monkeypatch.setenv("COMM_SOCKET_IFNAME", "lo")
     assert rendezvous.bind_address() == "127.0.0.1"
+    monkeypatch.setenv("COMM_SOCKET_IFNAME", "=l")       # exact names only: 'l' is no interface
+    with pytest.raises(comm.InvalidArgument, match="no interface matches"):
+        rendezvous.bind_address()
+    names = ["lo", "docker0", "eth0", "eth1", "ib0", "veth3a"]
+    assert rendezvous.matching_interfaces("eth", names) == ["eth0", "eth1"]
+    assert rendezvous.matching_interfaces("ib,eth1", names) == ["eth1", "ib0"]
+    assert rendezvous.matching_interfaces("=eth", names) == []
+    assert rendezvous.matching_interfaces("^docker,lo,veth", names) == ["eth0", "eth1", "ib0"]
     monkeypatch.setenv("COMM_BIND_ADDR", "127.0.0.2")   # an explicit address wins
     assert rendezvous.bind_address() == "127.0.0.2"
 
 
 def test_unknown_interface_refused(monkeypatch):
-    monkeypatch.setenv("COMM_IFNAME", "nosuchif0")
-    with pytest.raises(comm.InvalidArgument, match="COMM_IFNAME='nosuchif0'"):
+    monkeypatch.setenv("COMM_SOCKET_IFNAME", "nosuchif0")
+    with pytest.raises(comm.InvalidArgument, match="COMM_SOCKET_IFNAME='nosuchif0'"):
         comm.init()
 
 
@@ -174,6 +183,29 @@ def bound_peer_address(world):
 
 @pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
 def test_job_on_named_interface():
-    """COMM_IFNAME reaches the transport: every rank binds its listener to lo's address."""
-    results = run_ranks(bound_peer_address, 2, env={"COMM_IFNAME": "lo", "COMM_CHANNELS": "tcp"})
+    """COMM_SOCKET_IFNAME reaches the transport: every rank binds its listener to lo's address."""
+    results = run_ranks(bound_peer_address, 2, env={"COMM_SOCKET_IFNAME": "lo", "COMM_CHANNELS": "tcp"})
     assert results == [("127.0.0.1", 2.0), ("127.0.0.1", 2.0)]
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_job_over_ipv6():
+    """MASTER_ADDR=::1: the store and every rank's listener are IPv6, the data goes over TCP."""
+    results = run_ranks(peer_addresses, 2, env={"MASTER_ADDR": "::1", "COMM_CHANNELS": "tcp"})
+    assert results == [("::1", 2.0), ("::1", 2.0)]
+
+
+def peer_addresses(world):
+    x = np.ones(4)
+    world.all_reduce(x)
+    return world._ctx.store.local_address(), float(x[0])

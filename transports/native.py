@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 
-from comm import auth, config, log
+from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, TransportUnavailable)
 from comm.ops import LEAN_BUSY, LEAN_RAN, LEAN_SKIPPED
@@ -165,9 +165,9 @@ class NativeTransport(Transport):
     # ---- set-up ------------------------------------------------------------------------------
     def _bootstrap(self, ctx: BootstrapContext):
         store = ctx.store
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        addr = ctx.bind_addr or store.local_address()
+        listener = rendezvous.listen_socket(addr)
         try:
-            addr = ctx.bind_addr or store.local_address()
             listener.bind((addr, 0))
             listener.listen(max(128, 4 * ctx.size))
             token = secrets.token_bytes(16)
