@@ -114,12 +114,16 @@ class Comm {
     if (!dl) dl = &deadline;
     if (b.calls++ == 0) b.start = b.checked = b.signals_checked = Clock::now();
     if ((b.calls & 255) == 0) check_alive(*dl);
-    if (b.calls < spin_calls_) {
+    // Only sockets pending (no shared-memory transfer marked by a trailing -1): poll() wakes
+    // as soon as the kernel has bytes, so spinning and yielding (a recv per transfer each
+    // time) would only take the cores that the network stack and the peers need.
+    const bool sockets_only = fds && !fds->empty() && fds->back().fd >= 0;
+    if (b.calls < spin_calls_ && !sockets_only) {
       cpu_relax();
       return;
     }
     const auto now = Clock::now();
-    if (now - b.start < yield_for_) {
+    if (now - b.start < yield_for_ && !sockets_only) {
       sched_yield();
       return;
     }
