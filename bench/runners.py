@@ -208,7 +208,7 @@ class TorchRunner(Runner):
     def setup(self, rank, size, addr, port, timeout):
         import torch.distributed as dist
         if self.backend == "comm":
-            import comm.torch_backend  # noqa: F401  registers the backend
+            import comm.torch  # noqa: F401  registers the backend
         super().setup(rank, size, addr, port, timeout)
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
         self.dist = dist

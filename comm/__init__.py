@@ -120,7 +120,7 @@ def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Com
     # the caller named the rendezvous itself (then it is ours to host, wherever torchrun's is)
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None
             and master_port is None):
-        from .torch_store import TorchStore
+        from .torch.store import TorchStore
         log.debug(place.rank, "init: joining torchrun's agent store")
         store = TorchStore.connect(addr, port, place.rank, place.size, seconds)
     else:

@@ -30,8 +30,8 @@ OPTIONAL = {
     "torch": (["torch"], None, None),
 }
 # Modules that exist only to serve one dependency: without it, importing them may fail, naming it.
-SERVES = {"comm.torch_backend": "torch", "comm.torch_args": "torch", "comm.torch_work": "torch",
-          "comm.torch_sparse": "torch", "comm.torch_store": "torch"}
+SERVES = {name: "torch" for name in ("comm.torch", "comm.torch.backend", "comm.torch.args", "comm.torch.work",
+                                     "comm.torch.sparse", "comm.torch.store")}
 
 IMPORT_ALL = r"""
 import importlib, json, pkgutil, sys

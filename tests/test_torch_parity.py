@@ -204,7 +204,7 @@ def test_parity_with_gloo(ranks, n):
 EXIT_SCRIPT = """
 import sys, time
 import torch, torch.distributed as dist
-import comm.torch_backend
+import comm.torch
 rank, port, destroy = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
 dist.init_process_group("comm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 seen = []

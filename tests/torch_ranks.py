@@ -32,7 +32,7 @@ def ranks():
 def process_group(rank, size, port, timeout=30):
     import torch.distributed as dist
 
-    import comm.torch_backend  # noqa: F401  registers "comm"
+    import comm.torch  # noqa: F401  registers "comm"
 
     dist.init_process_group("comm", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))

@@ -37,10 +37,10 @@ def register() -> None:
         warnings.warn(f'torch backend "comm" not registered: {problem}', RuntimeWarning, stacklevel=2)
         return
     try:
-        # Imported from here, not comm.torch_backend's own top level: when that module is what
-        # triggered `import torch`, this returns the half-imported module, which registers the
-        # backend as its import finishes.
-        import comm.torch_backend  # noqa: F401
+        # The package registers the backend as its import ends. Where its own import is what
+        # started `import torch` (it imports torch before any module of its own), this finds it
+        # mid-import, does nothing, and the package registers once torch is imported.
+        import comm.torch  # noqa: F401
     except Exception as e:  # noqa: BLE001
-        warnings.warn(f'torch backend "comm" not registered: importing comm.torch_backend failed '
+        warnings.warn(f'torch backend "comm" not registered: importing comm.torch failed '
                       f"({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)

@@ -10,7 +10,7 @@ def _torch_group(rank: int, size: int):
     import torch
     import torch.distributed as dist
 
-    import comm.torch_backend  # noqa: F401  (registers "comm")
+    import comm.torch  # noqa: F401  (registers "comm")
     torch.cuda.set_device(0)
     dist.init_process_group("comm", rank=rank, world_size=size)
     return torch, dist

@@ -309,7 +309,7 @@ def section_torch_backend() -> None:
         return not_run("torch backend on CUDA (world of one via nccl, two ranks staged, DDP)", reason)
     import torch
     import torch.distributed as dist
-    importlib.import_module("comm.torch_backend")   # registers the "comm" backend
+    importlib.import_module("comm.torch")   # registers the "comm" backend
     nccl_reason = base.unavailable_reason("nccl")
     if nccl_reason is not None:
         not_run("torch backend 'comm' on CUDA via nccl (world of one)", nccl_reason)

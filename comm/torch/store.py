@@ -9,9 +9,9 @@ import socket
 
 import torch.distributed as dist
 
-from . import rendezvous
-from .errors import CommError, CommTimeout
-from .store import KeyValueStore
+from .. import rendezvous
+from ..errors import CommError, CommTimeout
+from ..store import KeyValueStore
 
 
 class TorchStore(KeyValueStore):

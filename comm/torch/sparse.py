@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import CommError, InvalidArgument
-from .torch_work import DoneWork, as_torch_error
+from ..errors import CommError, InvalidArgument
+from .work import DoneWork, as_torch_error
 
 
 def sparse_all_reduce(pg, t: torch.Tensor, opts) -> DoneWork:

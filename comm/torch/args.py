@@ -8,8 +8,8 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .torch_work import BACKEND, Unsupported, as_torch_error
-from .types import ReduceOp, premul_sum
+from ..types import ReduceOp, premul_sum
+from .work import BACKEND, Unsupported, as_torch_error
 
 # ---- reduce ops ------------------------------------------------------------------------------
 _REDUCE_OPS: dict = {}   # torch's RedOpType -> comm's op (reading a pybind enum's name is slow)

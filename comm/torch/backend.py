@@ -1,23 +1,21 @@
-"""The torch.distributed backend "comm": ``dist.init_process_group("comm")`` runs on this library.
+"""The process group of the torch.distributed backend "comm".
 
 A Python subclass of ``torch.distributed.ProcessGroup`` (torch calls its methods directly, so no
 C++ extension is needed). Each process group lazily creates one ``comm.Communicator`` per device
 type on its first operation there: CPU tensors go to COMM_TRANSPORT (default native), CUDA
 tensors to nccl, or, when the ranks agree nccl cannot serve them all, staged through pinned
 host memory over COMM_TRANSPORT (comm.staging). Connection set-up goes through the store torch
-hands to the backend factory (comm/torch_store.py), so every new_group / DeviceMesh dimension
+hands to the backend factory (store.py), so every new_group / DeviceMesh dimension
 gets its own communicator without another rendezvous.
 
-Registration: ``import comm.torch_backend`` (or, when the package is installed, nothing: the
-``torch.backends`` entry point calls ``comm_collectives_autoload.register`` at ``import torch``).
+Registration: register(), which importing the package comm.torch does (see there).
 
-Operations return a ``TorchWork`` (comm/torch_work.py): blocking calls run on the caller's
+Operations return a ``TorchWork`` (work.py): blocking calls run on the caller's
 thread through the communicator's blocking path (torch's own blocking all_reduce and broadcast
 of one plain CPU tensor go straight to it, checked in a few attribute reads); asynchronous
 ones complete on one completion thread per communicator, which resolves the torch futures in
 posting order whether or not anyone calls wait(), which is what DDP's communication hooks
-build on. Sparse all_reduce is in
-comm/torch_sparse.py.
+build on. Sparse all_reduce is in sparse.py.
 """
 from __future__ import annotations
 
@@ -33,14 +31,13 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from . import config, staging
-from .communicator import Communicator, connect
-from .errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
-from .torch_args import (PLAIN_OPS, as_input, as_output, by_dtype, cat, options, real, reduce_op, tensor_list,
-                         unpack)
-from .torch_sparse import sparse_all_reduce
-from .torch_store import TorchStore
-from .torch_work import BACKEND, Completer, DoneWork, TorchWork, Unsupported, as_torch_error, seconds
+from .. import config, staging
+from ..communicator import Communicator, connect
+from ..errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from .args import PLAIN_OPS, as_input, as_output, by_dtype, cat, options, real, reduce_op, tensor_list, unpack
+from .sparse import sparse_all_reduce
+from .store import TorchStore
+from .work import BACKEND, Completer, DoneWork, TorchWork, Unsupported, as_torch_error, seconds
 
 _DEFAULT_TIMEOUT = datetime.timedelta(0)   # torch's options hold a negative timeout when none was set
 _STRIDED = torch.strided
@@ -520,7 +517,6 @@ class ProcessGroupComm(dist.ProcessGroup):
         _live_groups.discard(self)
 
 
-
 def _create(common, backend_options) -> ProcessGroupComm:
     """torch's factory hook (extended API: it also gives the group name and global ranks)."""
     return ProcessGroupComm(common.store, common.group_rank, common.group_size, common.timeout,
@@ -549,6 +545,3 @@ def _set_pg_timeout(torch_set_pg_timeout):
             torch_set_pg_timeout(timeout, group)
 
     return set_pg_timeout
-
-
-register()

@@ -21,8 +21,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from . import errors
-from .errors import CommError, CommTimeout
+from .. import errors
+from ..errors import CommError, CommTimeout
 
 
 # ---- errors: comm's classes, also torch's DistBackendError ------------------------------------
