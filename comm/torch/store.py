@@ -4,6 +4,7 @@ through the store torch set up, with no second rendezvous port."""
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import socket
 
@@ -13,6 +14,7 @@ from .. import rendezvous
 from ..errors import CommError, CommTimeout
 from ..store import KeyValueStore
 
+_joins = itertools.count()   # TorchStore.connect calls in this process
 
 class TorchStore(KeyValueStore):
     """comm.store.Store's methods over a torch.distributed Store, so transports bootstrap through
@@ -23,12 +25,14 @@ class TorchStore(KeyValueStore):
 
     @classmethod
     def connect(cls, addr: str, port: int, rank: int, size: int, timeout: float) -> "TorchStore":
-        """A client of the TCPStore torchrun's agent serves on MASTER_PORT; our keys live under
-        comm/<restart count>/ so an elastic restart never reads the previous attempt's."""
+        """A client of the TCPStore torchrun's agent serves on MASTER_PORT. That store outlives
+        every world joined through it, so our keys live under comm/<restart count>/<join>/: an
+        elastic restart never reads the previous attempt's, nor a second comm.init in one
+        process (every rank counts its joins alike, as torch counts its groups) the first one's."""
         store = dist.TCPStore(addr, port, world_size=size, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout), wait_for_workers=False)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return cls(dist.PrefixStore(f"comm/{attempt}/", store), rank, size, timeout)
+        return cls(dist.PrefixStore(f"comm/{attempt}/{next(_joins)}/", store), rank, size, timeout)
 
     def _fail(self, key: str, e: Exception) -> CommError:
         if "timeout" in str(e).lower() or "timed out" in str(e).lower():
