@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -58,7 +59,7 @@ def _rank_main(args) -> None:
     import torch
     import torch.distributed as dist
 
-    import comm.torch_backend  # noqa: F401  registers "comm"
+    import comm.torch  # noqa: F401  registers "comm"
 
     torch.set_num_threads(1)   # ranks share the cores: one compute thread each, like gloo's tests
     dist.init_process_group("comm", timeout=datetime.timedelta(seconds=120))
@@ -75,7 +76,7 @@ def _rank_main(args) -> None:
 def measure(n: int = 2, steps: int = 50, warmup: int = 5, rounds: int = 3, width: int = 256,
             depth: int = 4, timeout: float = 600) -> dict:
     """Launch n ranks on this host; returns seconds per step for "gloo" and "comm", and the
-    ratio comm / gloo (the goal is <= 0.8)."""
+    ratio comm / gloo."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -84,6 +85,7 @@ def measure(n: int = 2, steps: int = 50, warmup: int = 5, rounds: int = 3, width
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n),
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env.setdefault("COMM_SECRET", secrets.token_hex(16))   # a job of our own, as python -m bench --np
     procs = [subprocess.Popen(argv, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL, text=True)
              for r in range(n)]
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
         return 0
     r = measure(args.np, args.steps, args.warmup, args.rounds, args.width, args.depth)
     print(f"DDP step, MLP {args.depth}x{args.width}, {args.np} ranks: gloo {r['gloo'] * 1e3:.2f} ms, "
-          f"comm {r['comm'] * 1e3:.2f} ms, comm/gloo = {r['ratio']:.2f} (goal <= 0.80)")
+          f"comm {r['comm'] * 1e3:.2f} ms, comm/gloo = {r['ratio']:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r, f, indent=2)
