@@ -17,8 +17,9 @@ IMPLEMENTS = {
     "tree": {"all_reduce", "broadcast", "reduce"},
     "rd": {"all_reduce"},
     "direct": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "barrier",
-               "all_gather_v", "reduce_scatter_v"},
-    "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_v", "reduce_scatter_v"},
+               "all_gather_v", "reduce_scatter_v", "all_to_all"},
+    "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_v", "reduce_scatter_v",
+            "all_to_all"},
     "linear": {"gather", "scatter"},
     "pairwise": {"all_to_all"},
     "dissemination": {"barrier"},
@@ -181,3 +182,26 @@ def test_half_reductions_are_rounded_once_per_step(cluster, count):
                 wrong = np.flatnonzero((bits != w_bits) & ~nan)
                 assert wrong.size == 0, (f"rank {rank} {dtype} {op}: {wrong.size} of {count} differ, first at "
                                          f"{wrong[0]}: {bits[wrong[0]]:#06x} vs torch {w_bits[wrong[0]]:#06x}")
+
+
+def all_to_all_sizes(world):
+    """Uneven all_to_all whose largest input fits a slot, passes it (the pairwise exchange)
+    and passes the single-copy threshold; returns problems and the algorithms the engine named."""
+    n, r = world.size, world.rank
+    problems, used = [], []
+    for width in (16, 1 << 16, 1 << 20):   # rows of float32: 64 B, 256 KiB, 4 MiB
+        rows = lambda q, p: (q + 2 * p) % 3  # noqa: E731  (zeros included)
+        send = np.concatenate([np.full((rows(r, p), width), 10 * r + p, np.float32) for p in range(n)])
+        out = np.zeros((sum(rows(q, r) for q in range(n)), width), np.float32)
+        world.all_to_all(out, send, [rows(q, r) for q in range(n)], [rows(r, p) for p in range(n)])
+        want = np.concatenate([np.full((rows(q, r), width), 10 * q + r, np.float32) for q in range(n)])
+        if not (out == want).all():
+            problems.append(f"rank {r}: all_to_all rows of {width} wrong")
+        used.append(world._transport.last_algorithm)
+    return problems, used
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_all_to_all_every_size(cluster, n):
+    results = cluster(n, "native").run(all_to_all_sizes, timeout=300)
+    assert_no_problems(p for p, _ in results)

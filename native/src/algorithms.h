@@ -61,6 +61,15 @@ void cma_reduce_scatter(Comm& c, const Coll& op);
 void cma_all_gather(Comm& c, const Coll& op);
 void cma_broadcast(Comm& c, const Coll& op);
 bool cma_fits(const Comm& c, const Coll& op);
+// A round with no payload: everyone finished the previous phase.
+void sync_round(Comm& c);
+// bytes at `addr` of local peer `peer`'s memory into dst (PEER_FAILURE if it cannot be read).
+void read_peer(Comm& c, int peer, uint64_t addr, char* dst, size_t bytes);
+// a2a.cc: all_to_all with every rank on one host: through the slots when every rank's input
+// fits, else single-copy reads (cma, for large inputs) or pairwise. The cma row forces reads.
+void direct_all_to_all(Comm& c, const Coll& op);
+void cma_all_to_all(Comm& c, const Coll& op);
+bool all_local(const Comm& c, const Coll& op);
 
 // ring.cc / vcoll.cc / cma.cc: v-collectives (blocks of any size, counts in op.recv_counts)
 void ring_all_gather_v(Comm& c, const Coll& op);

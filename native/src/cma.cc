@@ -45,13 +45,6 @@ std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
   return peers;
 }
 
-// A round with no payload: everyone finished the previous phase.
-void sync_round(Comm& c) {
-  const uint64_t round = c.begin_round();
-  c.publish_round(round);
-  c.wait_round(round);
-}
-
 void read_remote(Comm& c, const Remote& from, int peer, uint64_t addr, char* dst, size_t bytes) {
   while (bytes > 0) {
     iovec local{dst, bytes};
@@ -89,11 +82,22 @@ void reduce_from_peers(Comm& c, const Coll& op, const std::vector<Remote>& peers
 
 }  // namespace
 
+void sync_round(Comm& c) {
+  const uint64_t round = c.begin_round();
+  c.publish_round(round);
+  c.wait_round(round);
+}
+
+void read_peer(Comm& c, int peer, uint64_t addr, char* dst, size_t bytes) {
+  read_remote(c, Remote{static_cast<pid_t>(c.shm->seg(peer)->pid), 0, 0}, peer, addr, dst, bytes);
+}
+
 bool cma_fits(const Comm& c, const Coll& op) {
   return c.all_local() && c.cma &&
          (op.kind == OpKind::ALL_REDUCE || op.kind == OpKind::REDUCE_SCATTER ||
           op.kind == OpKind::ALL_GATHER || op.kind == OpKind::BROADCAST ||
-          op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V);
+          op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V ||
+          op.kind == OpKind::ALL_TO_ALL);
 }
 
 void cma_all_reduce(Comm& c, const Coll& op) {

@@ -44,6 +44,8 @@ constexpr Row kTable[] = {
     {"direct", OpKind::GATHER, direct_collective, direct_fits},
     {"linear", OpKind::GATHER, linear_gather, anywhere},
     {"linear", OpKind::SCATTER, linear_scatter, anywhere},
+    {"direct", OpKind::ALL_TO_ALL, direct_all_to_all, all_local},
+    {"cma", OpKind::ALL_TO_ALL, cma_all_to_all, cma_fits},
     {"pairwise", OpKind::ALL_TO_ALL, pairwise_all_to_all, anywhere},
     {"direct", OpKind::ALL_GATHER_V, direct_all_gather_v, direct_v_fits},
     {"cma", OpKind::ALL_GATHER_V, cma_all_gather_v, cma_fits},
