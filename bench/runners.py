@@ -67,6 +67,8 @@ class Runner:
     def broadcast(self, buf, root: int): ...
     def reduce(self, send, recv, root: int, op: ReduceOp, scale: float | None, in_place: bool): ...
     def all_to_all(self, send, recv, send_counts, recv_counts): ...
+    def all_gather_v(self, send, recv, counts, in_place: bool): ...
+    def reduce_scatter_v(self, send, recv, counts, op: ReduceOp, scale: float | None): ...
     def sendrecv(self, send, recv, dst: int, src: int): ...
     def barrier(self): ...
 
@@ -107,10 +109,15 @@ class CommRunner(Runner):
     def supports(self, bench, dtype, op, in_place):
         if dtype is DType.BFLOAT16 and importlib.util.find_spec("torch") is None:
             return "bfloat16 arrays come from torch (numpy has none): pip install torch"
-        if bench == "reduce_scatter" and in_place:
+        if bench in ("reduce_scatter", "reduce_scatter_v") and in_place:
             return "no in-place reduce_scatter in the API"
         if bench in ("all_to_all", "all_to_all_v", "sendrecv") and in_place:
             return "out-of-place only"
+        if bench in ("all_gather_v", "reduce_scatter_v"):
+            from comm.ops import OpKind
+            from transports import base
+            if OpKind[bench.upper()] not in base.get(self.name).kinds:
+                return f"transport {self.name} has no {bench}"
         return None
 
     def wrap(self, arr, dtype):
@@ -133,6 +140,12 @@ class CommRunner(Runner):
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
         self.world.all_to_all(recv, send, recv_counts, send_counts)
+
+    def all_gather_v(self, send, recv, counts, in_place):
+        self.world.all_gather_v(recv, send, counts)
+
+    def reduce_scatter_v(self, send, recv, counts, op, scale):
+        self.world.reduce_scatter_v(recv, send, counts, op, scale=scale)
 
     def sendrecv(self, send, recv, dst, src):
         s = self.world.isend(send, dst)   # send first: a library that runs p2p in posting
@@ -182,6 +195,12 @@ class PersistentCommRunner(CommRunner):
 
     def _all_to_all_init(self, send, recv, send_counts, recv_counts):
         return self.world.all_to_all_init(recv, send, recv_counts, send_counts)
+
+    def _all_gather_v_init(self, send, recv, counts, in_place):
+        return self.world.all_gather_v_init(recv, send, counts)
+
+    def _reduce_scatter_v_init(self, send, recv, counts, op, scale):
+        return self.world.reduce_scatter_v_init(recv, send, counts, op, scale=scale)
 
 
 class TorchRunner(Runner):
@@ -237,6 +256,8 @@ class TorchRunner(Runner):
             return "torch.distributed has no out-of-place form"
         if bench in ("reduce_scatter", "all_to_all", "all_to_all_v", "sendrecv") and in_place:
             return "out-of-place only"
+        if bench in ("all_gather_v", "reduce_scatter_v"):
+            return "torch.distributed has no single-buffer v-collective"
         return None
 
     def wrap(self, arr, dtype):
@@ -310,7 +331,7 @@ class MpiRawRunner(Runner):
                 return f"MPI has no reduction on {dtype.name.lower()}"
             if op in (ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR) and dtype.is_floating:
                 return "bitwise ops need integers"
-        if bench in ("reduce_scatter", "all_to_all", "all_to_all_v", "sendrecv") and in_place:
+        if bench in ("reduce_scatter", "reduce_scatter_v", "all_to_all", "all_to_all_v", "sendrecv") and in_place:
             return "out-of-place only"
         return None
 
@@ -333,6 +354,12 @@ class MpiRawRunner(Runner):
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
         self.c.Alltoallv([send, _displaced(send_counts)], [recv, _displaced(recv_counts)])
+
+    def all_gather_v(self, send, recv, counts, in_place):
+        self.c.Allgatherv(self.MPI.IN_PLACE if in_place else send, [recv, _displaced(counts)])
+
+    def reduce_scatter_v(self, send, recv, counts, op, scale):
+        self.c.Reduce_scatter(send, recv, list(counts), self.ops[op])
 
     def sendrecv(self, send, recv, dst, src):
         self.c.Sendrecv(send, dst, recvbuf=recv, source=src)

@@ -73,7 +73,8 @@ def test_size_sweep():
 def test_busbw_factors_as_nccl_tests():
     n = 4
     want = {"all_reduce": 2 * 3 / 4, "reduce_scatter": 3 / 4, "all_gather": 3 / 4, "all_to_all": 3 / 4,
-            "all_to_all_v": 3 / 4, "broadcast": 1, "reduce": 1, "sendrecv": 1}
+            "all_to_all_v": 3 / 4, "broadcast": 1, "reduce": 1, "sendrecv": 1, "all_gather_v": 3 / 4,
+            "reduce_scatter_v": 3 / 4}
     for name, factor in want.items():
         assert BENCHMARKS[name].factor(n) == pytest.approx(factor), name
     # 1 MB in 100 us: algbw 10 GB/s, all_reduce busbw 15 GB/s at 4 ranks
@@ -86,6 +87,10 @@ def test_counts_as_nccl_tests():
     assert BENCHMARKS["all_gather"].counts(1024, 4, 4) == (64, 1024)
     assert BENCHMARKS["reduce_scatter"].counts(1000, 4, 4) == (62, 992)
     assert BENCHMARKS["all_to_all"].counts(8, 4, 4) == (0, 0)      # dropped from the sweep
+    assert BENCHMARKS["all_gather_v"].counts(1000, 4, 4) == (62, 992)
+    # the v-collectives' blocks: proportional to rank + 1, every element placed
+    from bench.benchmarks.vcollectives import v_counts
+    assert v_counts(992, 4) == (99, 198, 297, 398) and v_counts(1, 2) == (0, 1)
 
 
 def test_row_columns():
