@@ -345,6 +345,7 @@ NB_MODULE(_native, m) {
   m.attr("ERR_SYSTEM") = static_cast<int>(ErrorCode::SYSTEM);
   m.attr("ERR_INVALID_ARGUMENT") = static_cast<int>(ErrorCode::INVALID_ARGUMENT);
   m.attr("ERR_INTERRUPTED") = static_cast<int>(ErrorCode::INTERRUPTED);
+  m.attr("ERR_REVOKED") = static_cast<int>(ErrorCode::REVOKED);
   main_thread = nb::cast<unsigned long>(nb::module_::import_("threading").attr("main_thread")().attr("ident"));
   signal_check = python_signal_raised;
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
@@ -539,6 +540,8 @@ NB_MODULE(_native, m) {
           },
           "In a forked child: drop this process's copies of the connections; leaks the engine.")
       .def("abort", &Engine::abort, release())
+      .def("revoke", &Engine::revoke, release())
+      .def("dead_peers", &Engine::dead_peers, release())
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);
 }

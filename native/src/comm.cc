@@ -40,6 +40,7 @@ void Comm::release() {
     p.p2p.reset();
     p.monitor_fd = -1;
     p.said_goodbye = false;
+    p.heard = 0;
   }
   goodbyes_ = 0;
   shm.reset();
@@ -188,6 +189,24 @@ char* Comm::scratch(int which, size_t bytes) {
   return s.data.get();
 }
 
+// Reads at most one word from p's monitor (with alive_mu_ held) and returns what p said:
+// 0 (nothing new), 'B', 'F' (then *lost is the rank p lost), or the sticky 'A', 'R', 'D'.
+char Comm::hear(Peer& p, int32_t* lost) {
+  if (p.heard == 'A' || p.heard == 'R' || p.heard == 'D') return p.heard;
+  pollfd pfd{p.monitor_fd, POLLIN | POLLRDHUP, 0};
+  if (poll(&pfd, 1, 0) <= 0) return 0;
+  char c = 0;
+  ssize_t got = recv(p.monitor_fd, &c, 1, MSG_DONTWAIT);
+  if (got < 0 && (errno == EAGAIN || errno == EINTR)) return 0;
+  if (got == 1 && c == 'B') {
+    p.said_goodbye.store(true, std::memory_order_release);
+    goodbyes_.fetch_add(1, std::memory_order_relaxed);
+    return p.heard = 'B';
+  }
+  if (got == 1 && c == 'F' && recv(p.monitor_fd, lost, sizeof *lost, MSG_WAITALL) == sizeof *lost) return 'F';
+  return p.heard = (got == 1 && (c == 'A' || c == 'R')) ? c : 'D';
+}
+
 void Comm::check_alive(const Deadline& dl) {
   if (aborted.load(std::memory_order_relaxed))
     fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
@@ -197,24 +216,17 @@ void Comm::check_alive(const Deadline& dl) {
   for (int r = 0; r < size; r++) {
     Peer& p = peers[r];
     if (p.monitor_fd < 0 || p.said_goodbye) continue;
-    pollfd pfd{p.monitor_fd, POLLIN | POLLRDHUP, 0};
-    if (poll(&pfd, 1, 0) <= 0) continue;
-    char c = 0;
-    ssize_t got = recv(p.monitor_fd, &c, 1, MSG_DONTWAIT);
-    if (got == 1 && c == 'B') {
-      p.said_goodbye.store(true, std::memory_order_release);
-      goodbyes_.fetch_add(1, std::memory_order_relaxed);
-      continue;
-    }
-    if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     int32_t lost = -1;
-    if (got == 1 && c == 'F' && recv(p.monitor_fd, &lost, sizeof lost, MSG_WAITALL) == sizeof lost &&
-        lost >= 0 && lost < size && lost != rank)
+    const char c = hear(p, &lost);
+    if (c == 0 || c == 'B') continue;
+    if (c == 'F' && lost >= 0 && lost < size && lost != rank)
       fail(ErrorCode::PEER_FAILURE, lost,
            "rank " + std::to_string(lost) + " is gone (rank " + std::to_string(r) +
                " lost it during an operation)");
-    if (got == 1 && c == 'A')
-      fail(ErrorCode::PEER_FAILURE, r, "rank " + std::to_string(r) + " aborted its communicator");
+    if (c == 'A') fail(ErrorCode::PEER_FAILURE, r, "rank " + std::to_string(r) + " aborted its communicator");
+    if (c == 'R')
+      fail(ErrorCode::REVOKED, r,
+           "rank " + std::to_string(r) + " revoked the communicator; shrink() it to go on");
     fail(ErrorCode::PEER_FAILURE, r,
          "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
   }
@@ -225,6 +237,22 @@ void Comm::check_alive(const Deadline& dl) {
              " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");
 }
 
+std::vector<int> Comm::dead_peers() {
+  std::vector<int> dead;
+  std::lock_guard<std::mutex> lock(alive_mu_);
+  // Our own abort shut the monitors down: every one now reads as a hang-up. Only what was
+  // heard before it counts.
+  const bool listen = !aborted.load();
+  for (int r = 0; r < size; r++) {
+    Peer& p = peers[r];
+    if (p.monitor_fd < 0) continue;
+    int32_t lost;
+    while (listen && !p.said_goodbye && hear(p, &lost) == 'F') {}  // relayed hearsay: read past it
+    if (p.heard == 'D') dead.push_back(r);
+  }
+  return dead;
+}
+
 void Comm::closed_peer(int peer) const {
   fail(ErrorCode::PEER_FAILURE, peer,
        "rank " + std::to_string(peer) +
@@ -232,13 +260,13 @@ void Comm::closed_peer(int peer) const {
            "waits for it in this operation");
 }
 
-void Comm::abort() {
+void Comm::abort(char why) {
   aborted.store(true);
   if (shm) shm->interrupt();
   // Peers blocked on us see the connections drop and fail instead of waiting out the timeout;
-  // the 'A' tells them why.
+  // the 'A' (or 'R') tells them why.
   for (Peer& p : peers)
-    if (p.monitor_fd >= 0) (void)!send(p.monitor_fd, "A", 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (p.monitor_fd >= 0) (void)!send(p.monitor_fd, &why, 1, MSG_NOSIGNAL | MSG_DONTWAIT);
   for (Peer& p : peers) {
     if (p.coll) p.coll->shutdown();
     if (p.p2p) p.p2p->shutdown();

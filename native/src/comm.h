@@ -38,9 +38,12 @@ struct Options {
 struct Peer {
   std::unique_ptr<Channel> coll;  // collective traffic
   std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
-  // Carries no data: readable means gone ('B'ye on close, 'A' on abort, 'F' + the rank
-  // whose loss failed the peer's operation).
+  // Carries no data: readable means gone ('B'ye on close, 'A' on abort, 'R' on revoke,
+  // 'F' + the rank whose loss failed the peer's operation).
   int monitor_fd = -1;
+  // What the monitor said last (under alive_mu_): 0 nothing, 'B', 'A', 'R', or 'D' for a
+  // hang-up without a word (the process died). Kept so dead_peers() and check_alive() agree.
+  char heard = 0;
   // Atomic: the collective thread and the p2p driver both watch the monitor sockets.
   std::atomic<bool> said_goodbye{false};
 };
@@ -165,7 +168,11 @@ class Comm {
         peers[peer].said_goodbye.load(std::memory_order_acquire) && stuck())
       closed_peer(peer);
   }
-  void abort();
+  // why: 'A' (abort) or 'R' (revoke): what the peers' operations fail with.
+  void abort(char why = 'A');
+  // Peers whose process died, first hand (their monitor hung up without a word): what this
+  // rank knows of failures before the survivors agree on them (shrink). Never throws.
+  std::vector<int> dead_peers();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
   // After this rank's operation failed because `e.peer` is gone: tell every peer (once), so
   // ranks that were not waiting on the lost one directly fail now, not at their timeout.
@@ -187,6 +194,7 @@ class Comm {
   }
   void drive(Transfer* ts, size_t n);  // run() without the clean-up on failure
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
+  char hear(Peer& p, int32_t* lost);
   [[noreturn]] void closed_peer(int peer) const;
   std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
   std::atomic<bool> relayed_{false};

@@ -25,7 +25,8 @@ const char* kind_name(OpKind k);
 enum class ErrorCode : int {
   TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM,
   INVALID_ARGUMENT,  // the caller's arguments; nothing was sent and the communicator stays usable
-  INTERRUPTED        // a signal handler (Ctrl-C) stopped the wait
+  INTERRUPTED,       // a signal handler (Ctrl-C) stopped the wait
+  REVOKED            // a rank revoked the communicator (ULFM's revoke): only shrink goes on
 };
 
 // The one exception type the engine throws; the binding turns it into _native.NativeError.

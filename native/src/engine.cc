@@ -280,6 +280,12 @@ void Engine::abort() {
   if (p2p_) p2p_->wake();
 }
 
+void Engine::revoke() {
+  if (forked_.load()) return;
+  comm_.abort('R');
+  if (p2p_) p2p_->wake();
+}
+
 void Engine::close() {
   if (forked_.load()) return;
   {

@@ -58,6 +58,9 @@ class Engine {
   // so the lean call paths cost nothing per call for it.
   std::vector<RecentOp> recent_ops() const;
   void abort();
+  // abort() that tells the peers it is a revoke: their operations fail with REVOKED.
+  void revoke();
+  std::vector<int> dead_peers() { return comm_.dead_peers(); }
   void close();
   // Called in a child forked from the owning process: closes the child's copies of the
   // connections so the parent's peers are unaffected and the parent's death stays visible
