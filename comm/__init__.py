@@ -14,8 +14,9 @@ from .buffers import Buffer
 from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
 from .store import Store
-from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
-                     PeerFailure, TransportUnavailable, from_os_error)
+from .elastic import Membership, join
+from .errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
+                     PeerFailure, Revoked, TransportUnavailable, from_os_error)
 from .types import DType, PremulSum, ReduceOp, premul_sum
 from .work import Work
 
@@ -33,9 +34,9 @@ BOR = ReduceOp.BOR
 BXOR = ReduceOp.BXOR
 PREMUL_SUM = ReduceOp.PREMUL_SUM
 
-__all__ = ["init", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
+__all__ = ["init", "join", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
            "CommError", "InvalidArgument", "CommTimeout", "PeerFailure", "Aborted", "Closed",
-           "Mismatch", "TransportUnavailable",
+           "Mismatch", "Revoked", "Excluded", "TransportUnavailable",
            "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
 
 
@@ -128,8 +129,19 @@ def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Com
                                       secret=secret.encode() if secret else None,
                                       agree={"transport": name})
     try:
-        return connect(store.scoped("world"), name, "world", owned_store=store)
+        scoped = store.scoped("world")
+        # shrink and grow need the store to outlive its host: every rank a standby listener
+        membership = Membership(store, place.rank, rendezvous.bind_address(), seconds) \
+            if isinstance(store, Store) else None
+        world = connect(scoped, name, "world", owned_store=store)
     except BaseException:
         store.close()
+        raise
+    try:
+        if membership is not None:
+            membership.publish(scoped)
+        return world
+    except BaseException:
+        world.close()   # and the store it owns
         raise
 

@@ -18,10 +18,10 @@ import struct
 import threading
 import weakref
 
-from . import auth, config, log, rendezvous, vcollectives
+from . import auth, config, elastic, log, rendezvous, vcollectives
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
-                     TransportUnavailable, from_os_error)
+                     Revoked, TransportUnavailable, from_os_error)
 from .flight_recorder import FlightRecorder
 from .ops import DONE, LEAN_BUSY, LEAN_RAN, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
@@ -56,7 +56,11 @@ class Communicator:
         self.size = ctx.size
         self.timeout = ctx.timeout
         self.transport = transport.name
-        self.ranks = ranks if ranks is not None else tuple(range(ctx.size))  # parent ranks
+        # the job's numbering of the members (world ranks; comm.elastic gives newcomers the next)
+        self.ranks = ranks if ranks is not None else tuple(range(ctx.size))
+        self.epoch = 0   # shrink and grow number their communicators on from their parent's
+        self._elastic_calls = 0   # agree / shrink / grow so far: names each one alike on every rank
+        self._failed_ranks: list[int] = []
         self._next_seq = itertools.count(1).__next__   # atomic under the GIL
         self._split_count = 0
         self._failure: CommError | None = None
@@ -254,6 +258,8 @@ class Communicator:
             raise CommError(self._failure.cause, rank=self.rank, op=op)
         if self._closed:
             raise Closed("the communicator is closed", rank=self.rank, op=op)
+        if isinstance(self._failure, Revoked):
+            raise Revoked(f"the communicator was revoked ({self._failure.cause})", rank=self.rank, op=op)
         raise Aborted(f"the communicator failed earlier and takes no more work ({self._failure.cause}); "
                       "create a new one", rank=self.rank, op=op)
 
@@ -562,6 +568,39 @@ class Communicator:
                                tuple(self._ctx.host_ids[r] for r in ranks) if self._ctx.host_ids else ())
         transport = _set_up(self.rank, "split", self._transport.split, color, key, ctx)
         return Communicator(transport, ctx, ranks=tuple(self.ranks[r] for r in ranks))
+
+    # ---- after a failure: revoke, agree, shrink, grow (comm.elastic) --------------------------
+    def revoke(self) -> None:
+        """Fail every pending and future operation on every rank with Revoked (ULFM's revoke).
+        Idempotent; any rank may call it, from any thread; shrink() is the way on."""
+        elastic.revoke(self)
+
+    def agree(self, flag: int, *, timeout: float | None = None) -> int:
+        """Fault-tolerant agreement: the bitwise AND of the live ranks' flags (ints in
+        [0, 2**62)), the same on every survivor even when ranks die during the call. Works on a
+        failed communicator; afterwards failed_ranks() says which ranks the survivors agreed
+        are gone (dead, or silent past the timeout)."""
+        return elastic.agree(self, flag, timeout)
+
+    def failed_ranks(self) -> list[int]:
+        """The ranks the latest agree() or shrink() of this communicator found failed."""
+        return list(self._failed_ranks)
+
+    def shrink(self, timeout: float | None = None, *, exclude=()) -> "Communicator":
+        """Collective over the survivors: a new communicator without the failed ranks (and
+        without `exclude`, ranks removed on purpose, which do not call it), renumbered from 0 in
+        the same order. Revokes this one. A rank silent for `timeout` (default: the
+        communicator's) is declared failed; the store's host may be among the dead."""
+        return elastic.shrink(self, timeout, exclude)
+
+    def grow(self, count: int, *, timeout: float | None = None) -> "Communicator":
+        """Collective: a new communicator of these ranks and `count` new processes, each of
+        which calls comm.join(join_address()); they are numbered after the old ranks."""
+        return elastic.grow(self, count, timeout)
+
+    def join_address(self) -> str:
+        """The address new processes pass to comm.join() to take part in this grow()."""
+        return elastic.join_address(self)
 
     def abort(self) -> None:
         """Fail every pending and future operation at once (any thread may call it)."""

@@ -66,6 +66,16 @@ class Aborted(CommError):
     """The communicator was aborted (by abort() or after an earlier failure)."""
 
 
+class Revoked(Aborted):
+    """A rank revoked the communicator (revoke(), or shrink() on a survivor): it takes no more
+    work; shrink() it to go on with the live ranks."""
+
+
+class Excluded(CommError):
+    """The survivors declared this rank failed (dead, or silent past the timeout) and went on
+    without it: it cannot take part in their communicators any more."""
+
+
 class Closed(CommError):
     """The communicator was closed."""
 

@@ -26,10 +26,12 @@ import threading
 import time
 
 from . import auth, config, log, rendezvous
-from .errors import CommError, CommTimeout, InvalidArgument, Mismatch, from_os_error
+from .agreement import Agreements
+from .errors import (CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure,
+                     from_os_error)
 
-_SET, _GET, _ADD, _JOIN = 1, 2, 3, 4
-_OK, _TIMEOUT, _MISMATCH, _REFUSED = 0, 1, 2, 3
+_SET, _GET, _ADD, _JOIN, _AGREE = 1, 2, 3, 4, 5
+_OK, _TIMEOUT, _MISMATCH, _REFUSED, _EXCLUDED, _GONE = 0, 1, 2, 3, 4, 5
 _HDR = struct.Struct("!BIdI")        # op, key length, timeout (s), value length
 _REPLY = struct.Struct("!BI")        # status, reply length
 MAX_KEY = 4096
@@ -44,7 +46,7 @@ _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 def _recv_frame(sock: socket.socket) -> tuple[int, str, float, bytes]:
     op, klen, timeout, vlen = _HDR.unpack(auth.recv_exact(sock, _HDR.size))
-    if op not in (_SET, _GET, _ADD, _JOIN) or klen > MAX_KEY or vlen > MAX_VALUE or not timeout >= 0:
+    if op not in (_SET, _GET, _ADD, _JOIN, _AGREE) or klen > MAX_KEY or vlen > MAX_VALUE or not timeout >= 0:
         raise ConnectionError("malformed store request")
     key = auth.recv_exact(sock, klen).decode("utf-8", "strict")
     return op, key, timeout, auth.recv_exact(sock, vlen)
@@ -67,10 +69,14 @@ class StoreServer:
     """Serves the store on a listening socket, one thread per client connection.
 
     size and agree are rank 0's world size and beliefs (e.g. {"transport": "native"}): every
-    joining rank must share them."""
+    joining rank must share them. A host that takes over from a lost one (comm.elastic) has
+    size 0: the ranks that come are survivors of a running job, identified by their uid;
+    next_uid is the first uid it gives a newcomer (grow). first: a connection its caller
+    accepted already, served before the listener's next."""
 
     def __init__(self, listener: socket.socket, secret: bytes | None, timeout: float, *,
-                 size: int, agree: dict[str, str], where: str):
+                 size: int, agree: dict[str, str], where: str, next_uid: int | None = None,
+                 first: tuple[socket.socket, tuple] | None = None):
         self._listener = listener
         self._secret = secret
         self._timeout = timeout
@@ -87,7 +93,13 @@ class StoreServer:
         self._strangers = 0                      # open connections not (yet) joined
         self._busy = 0                           # requests between their frame and their reply
         self._socks: set[socket.socket] = set()    # connections not (yet) joined
+        self._agreements = Agreements()
+        self._next_uid = size if next_uid is None else next_uid   # for processes that join later
         self._started = time.monotonic()
+        if first is not None:
+            self._strangers += 1
+            self._socks.add(first[0])
+            threading.Thread(target=self._serve, args=(first[0], first[1][0]), daemon=True).start()
         threading.Thread(target=self._accept_loop, name="comm-store", daemon=True).start()
         interval = config.get("COMM_REPORT_INTERVAL")
         if interval > 0 and size > 1:
@@ -111,7 +123,7 @@ class StoreServer:
             pause = 0.0
             with self._cond:
                 admit = not self._closed and \
-                    self._strangers < MAX_STRANGERS + self._size - len(self._live)
+                    self._strangers < MAX_STRANGERS + max(0, self._size - len(self._live))
                 if admit:
                     self._strangers += 1
                     self._socks.add(sock)
@@ -130,6 +142,7 @@ class StoreServer:
                 self._strangers -= 1
             else:
                 self._live.discard(rank)
+                self._cond.notify_all()   # agreements and watched waits learn it left
         sock.close()
 
     def _serve(self, sock: socket.socket, addr: str) -> None:
@@ -150,8 +163,8 @@ class StoreServer:
             if op != _JOIN:
                 return
             with self._answering():
-                rank, error = self._join(value, addr, sock)
-                self._reply(sock, _MISMATCH if rank is None else _OK, error)
+                rank, status, reply = self._join(value, addr, sock)
+                self._reply(sock, status, reply)
             if rank is None:
                 return
             # a rank may call split() hours later: its connection lives as long as it does
@@ -162,7 +175,7 @@ class StoreServer:
                 if op == _JOIN:
                     return
                 with self._answering():
-                    status, reply = self._apply(op, key, timeout, value)
+                    status, reply = self._apply(op, key, timeout, value, rank)
                     self._reply(sock, status, reply)
         except (OSError, ConnectionError, UnicodeDecodeError):
             return   # a client that left or misbehaved: drop it, the store lives on
@@ -187,18 +200,25 @@ class StoreServer:
         sock.sendall(_REPLY.pack(status, len(data)) + data)
 
     # ---- who is here, and do they agree ------------------------------------------------------
-    def _join(self, value: bytes, addr: str, sock: socket.socket) -> tuple[int | None, str]:
+    def _join(self, value: bytes, addr: str, sock: socket.socket) -> tuple[int | None, int, str]:
+        """(rank, status, reply): rank None when refused. A join with "uid" set is a process of
+        the running job (a survivor after its host was lost; reply "" when accepted); with
+        "join" set, a newcomer (grow), which gets the next uid (the reply)."""
         try:
             msg = json.loads(value)
             rank, size, agree = int(msg["rank"]), int(msg["size"]), dict(msg["agree"])
+            uid, newcomer = msg.get("uid"), bool(msg.get("join"))
+            uid = None if uid is None else int(uid)
         except (ValueError, KeyError, TypeError, OverflowError):
             raise ConnectionError("malformed join") from None
         with self._cond:
+            if uid is not None or newcomer:
+                return self._join_running(uid, newcomer, addr, sock)
             if 0 <= rank < self._size:
                 self._told.add(rank)
             self._cond.notify_all()
             if self._failure is not None:
-                return None, self._failure
+                return None, _MISMATCH, self._failure
             error = None
             if size != self._size:
                 error = (f"ranks disagree on the world size: rank 0 has {self._size}, rank {rank} (from {addr}) "
@@ -215,16 +235,44 @@ class StoreServer:
                 error = (f"two processes claim rank {rank}, one from {self._joined[rank]} and one from "
                          f"{addr}; give each process its own RANK")
             if error is None:
-                self._joined[rank] = addr
-                self._live.add(rank)
-                self._strangers -= 1
-                self._socks.discard(sock)   # served until the rank leaves, even after close()
-                self._cond.notify_all()
-                log.debug(0, f"store: rank {rank} joined from {addr}")
-                return rank, ""
+                self._admit(rank, addr, sock)
+                return rank, _OK, ""
             if len(self._joined) < self._size:   # still setting up: nobody can succeed now
                 self._fail(error)
-            return None, error   # the job already runs: only the latecomer is refused
+            return None, _MISMATCH, error   # the job already runs: only the latecomer is refused
+
+    def _join_running(self, uid: int | None, newcomer: bool, addr: str,
+                      sock: socket.socket) -> tuple[int | None, int, str]:
+        """With the lock held: a survivor (uid) or a newcomer joins the running job."""
+        if len(self._joined) < self._size:
+            return None, _MISMATCH, "the job is still starting: it cannot take a process that joins late yet"
+        if newcomer:
+            uid = self._next_uid
+        if uid in self._agreements.excluded:
+            return None, _EXCLUDED, self._excluded_text(uid)
+        if uid in self._live or uid < 0:
+            return None, _MISMATCH, f"two processes claim uid {uid}; the second came from {addr}"
+        self._next_uid = max(self._next_uid, uid + 1)
+        self._admit(uid, addr, sock)
+        return uid, _OK, str(uid) if newcomer else ""
+
+    def _admit(self, rank: int, addr: str, sock: socket.socket) -> None:
+        self._joined[rank] = addr
+        self._live.add(rank)
+        self._strangers -= 1
+        self._socks.discard(sock)   # served until the rank leaves, even after close()
+        self._cond.notify_all()
+        log.debug(0, f"store: rank {rank} joined from {addr}")
+
+    @staticmethod
+    def _excluded_text(uid: int) -> str:
+        return (f"rank {uid} (the job's numbering) was declared failed by the survivors (it was dead "
+                "or did not answer within the timeout) and is out of the job; it cannot take part in "
+                "their communicators. Restart it and let it join through grow")
+
+    def _gone(self, uid: int) -> bool:
+        """With the lock held: uid left (its connection dropped) or was excluded."""
+        return (uid in self._joined and uid not in self._live) or uid in self._agreements.excluded
 
     def _secret_mismatch(self, addr: str) -> None:
         if self._secret is not None:
@@ -282,10 +330,14 @@ class StoreServer:
         self._cond.notify_all()
         return _OK, b""
 
-    def _apply(self, op: int, key: str, timeout: float, value: bytes) -> tuple[int, bytes]:
+    def _apply(self, op: int, key: str, timeout: float, value: bytes, rank: int) -> tuple[int, bytes]:
         with self._cond:
             if self._failure is not None:
                 return _MISMATCH, self._failure.encode()
+            if rank in self._agreements.excluded:
+                return _EXCLUDED, self._excluded_text(rank).encode()
+            if op == _AGREE:
+                return self._agreement(key, rank, value, min(timeout, self._timeout))
             if op == _SET:
                 return self._store(key, value)
             if op == _ADD:
@@ -294,15 +346,47 @@ class StoreServer:
                 status, reply = self._store(key, n.to_bytes(8, "little", signed=True))
                 return (status, reply) if status != _OK else (_OK, self._data[key])
             timeout = min(timeout, self._timeout)   # a client cannot park a thread forever
-            self._cond.wait_for(lambda: key in self._data or self._closed or self._failure is not None, timeout)
+            # a GET may name ranks whose departure ends the wait (they were to set the key)
+            watch = [int(r) for r in json.loads(value)] if value else []
+            left = lambda: next((r for r in watch if self._gone(r)), None)  # noqa: E731
+            self._cond.wait_for(lambda: key in self._data or self._closed or self._failure is not None
+                                or left() is not None, timeout)
             if self._failure is not None:
                 return _MISMATCH, self._failure.encode()
             if key in self._data:
                 return _OK, self._data[key]
+            if left() is not None:
+                return _GONE, str(left()).encode()
             why = self._waiting() if len(self._joined) < self._size else ""
             if self._closed:
                 why = "rank 0 closed the rendezvous store" + (f"; {why}" if why else "")
             return _TIMEOUT, why.encode()
+
+    def _agreement(self, key: str, uid: int, value: bytes, timeout: float) -> tuple[int, bytes]:
+        """With the lock held: uid's contribution to agreement `key`, or its acknowledgement of
+        the decision (comm.agreement)."""
+        agreements = self._agreements
+        try:
+            msg = json.loads(value)
+            inst = agreements.contribute(key, uid, msg, timeout)
+            members = [int(m) for m in msg["members"]]
+        except (ValueError, KeyError, TypeError):
+            raise ConnectionError("malformed agreement") from None
+        self._cond.notify_all()
+        if inst is not None:
+            ready = lambda: self._closed or agreements.ready(key, inst, self._gone)  # noqa: E731
+            self._cond.wait_for(ready, max(0.0, inst.deadline - time.monotonic()))
+            if self._closed and key not in agreements.decided:
+                return _TIMEOUT, b"the store's host closed it"
+            agreements.decide(key, inst, self._gone)
+            self._cond.notify_all()
+        elif msg.get("ack") and not msg.get("decided"):
+            if key not in agreements.decided:
+                raise ConnectionError("acknowledged an agreement never decided")
+            # a member that never acknowledges (hung since the decision) holds it up only so long
+            self._cond.wait_for(lambda: self._closed or agreements.acknowledged(key, members, self._gone),
+                                timeout)
+        return _OK, json.dumps(agreements.decided[key]).encode()
 
     def close(self) -> None:
         with self._cond:
@@ -357,27 +441,58 @@ class KeyValueStore:
         self.get(f"{key}/done")
 
 
+class StoreLost(CommError):
+    """The connection to the store's host broke (its process died): comm.elastic moves on to
+    a new host."""
+
+
 class Store(KeyValueStore):
-    """Client of this library's store; `scoped` views share one connection.
+    """Client of this library's store; `scoped` views share one connection (their `_root`'s,
+    which comm.elastic may move to a new host).
 
     agree: what this rank believes about the job (e.g. {"transport": "native"}); the host
-    refuses every rank if two disagree."""
+    refuses every rank if two disagree. hello: more for the host to know of this process
+    ({"uid": n} for a survivor of a running job, {"join": True} for a newcomer: its uid is
+    then the host's reply, in `joined`)."""
 
     def __init__(self, addr: str, port: int, *, rank: int, size: int, timeout: float,
                  secret: bytes | None, agree: dict[str, str] | None = None,
-                 server: StoreServer | None = None):
+                 server: StoreServer | None = None, hello: dict | None = None):
         self.rank, self.size, self.timeout = rank, size, timeout
         self._server = server
         self._prefix = ""
+        self._watch = b""
+        self._root = self
+        self._secret = secret
+        self.membership = None   # comm.elastic.Membership: this process in an elastic job
         self._lock = threading.Lock()
-        self._sock = self._connect(addr, port, secret)
+        self.joined = self._join(self._connect(addr, port, secret), agree, hello)
+        log.debug(rank, f"store: joined the rendezvous at {addr}:{port} as rank {rank} of {size}")
+
+    def _join(self, sock: socket.socket, agree: dict | None, hello: dict | None) -> bytes:
+        self._sock = sock
         try:
-            self._call(_JOIN, "", json.dumps({"rank": rank, "size": size, "agree": agree or {}}).encode(),
-                       op="init")
+            return self._call(_JOIN, "", json.dumps({"rank": self.rank, "size": self.size, "agree": agree or {},
+                                                      **(hello or {})}).encode(), op="init")
         except BaseException:
             self._sock.close()
             raise
-        log.debug(rank, f"store: joined the rendezvous at {addr}:{port} as rank {rank} of {size}")
+
+    def reconnect(self, sock: socket.socket, hello: dict) -> None:
+        """Move this connection (and every view's) to `sock`, connected and past the handshake
+        with a new host (comm.elastic)."""
+        old = self._sock
+        try:
+            self._join(sock, None, hello)
+        except BaseException:
+            self._sock = old
+            raise
+        with contextlib.suppress(OSError):
+            old.close()
+
+    def host_address(self) -> tuple[str, int]:
+        """Where the host serving this connection listens."""
+        return self._root._sock.getpeername()[:2]
 
     @classmethod
     def host_or_connect(cls, addr: str, port: int, *, rank: int, size: int, timeout: float,
@@ -441,13 +556,17 @@ class Store(KeyValueStore):
         raise CommTimeout(f"no rendezvous at {addr}:{port} within {self.timeout:.0f} s ({last}); "
                           "is rank 0 running and MASTER_ADDR/MASTER_PORT right?", rank=self.rank, op="init")
 
-    def scoped(self, prefix: str, rank: int | None = None, size: int | None = None) -> "Store":
-        """A view whose keys live under `prefix/` (for one group: its rank and size)."""
+    def scoped(self, prefix: str, rank: int | None = None, size: int | None = None,
+               watch: list[int] | None = None) -> "Store":
+        """A view whose keys live under `prefix/` (for one group: its rank and size). watch:
+        uids whose departure from the job ends any wait of this view (with PeerFailure)."""
         view = object.__new__(Store)
         view.__dict__.update(self.__dict__)
         view._prefix = f"{self._prefix}{prefix}/"
         view.rank = self.rank if rank is None else rank
         view.size = self.size if size is None else size
+        if watch is not None:
+            view._watch = json.dumps(sorted(watch)).encode()
         return view
 
     def _call(self, kind: int, key: str, value: bytes = b"", timeout: float | None = None,
@@ -457,14 +576,15 @@ class Store(KeyValueStore):
         if len(full) > MAX_KEY or len(value) > MAX_VALUE:
             raise InvalidArgument(f"store key of {len(full)} bytes or value of {len(value)} bytes is over the "
                                   f"limits ({MAX_KEY}, {MAX_VALUE})", rank=self.rank, op=op)
-        with self._lock:
+        root = self._root
+        with root._lock:
             try:
-                self._sock.settimeout(wait + 5)
-                self._sock.sendall(_HDR.pack(kind, len(full), wait, len(value)) + full + value)
-                status, n = _REPLY.unpack(auth.recv_exact(self._sock, _REPLY.size))
-                reply = auth.recv_exact(self._sock, n)
+                root._sock.settimeout(wait + 5)
+                root._sock.sendall(_HDR.pack(kind, len(full), wait, len(value)) + full + value)
+                status, n = _REPLY.unpack(auth.recv_exact(root._sock, _REPLY.size))
+                reply = auth.recv_exact(root._sock, n)
             except (OSError, ConnectionError) as e:
-                raise CommError(f"lost the rendezvous store: {e}", rank=self.rank, op=op) from None
+                raise StoreLost(f"lost the rendezvous store: {e}", rank=self.rank, op=op) from None
         if status == _TIMEOUT:
             why = reply.decode(errors="replace") or "a rank did not arrive, or did not get this far"
             raise CommTimeout(f"key {key!r} did not appear in the store within {wait:.0f} s: {why}",
@@ -473,17 +593,27 @@ class Store(KeyValueStore):
             raise Mismatch(reply.decode(errors="replace"), rank=self.rank, op=op)
         if status == _REFUSED:
             raise CommError(reply.decode(errors="replace"), rank=self.rank, op=op)
+        if status == _EXCLUDED:
+            raise Excluded(reply.decode(errors="replace"), rank=self.rank, op=op)
+        if status == _GONE:
+            uid = int(reply)
+            raise PeerFailure(f"the process of uid {uid} left the job while this rank waited for {key!r}",
+                              rank=self.rank, op=op, peer=uid)
         return reply
 
     def local_address(self) -> str:
         """Our end of the store connection: an address the other ranks can reach us at."""
-        return self._sock.getsockname()[0]
+        return self._root._sock.getsockname()[0]
 
     def set(self, key: str, value: bytes) -> None:
         self._call(_SET, key, value)
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
-        return self._call(_GET, key, timeout=timeout)
+        return self._call(_GET, key, self._watch, timeout=timeout)
+
+    def agree(self, key: str, msg: dict, timeout: float) -> dict:
+        """Contribute to agreement `key` (comm.agreement) and return its decision."""
+        return json.loads(self._call(_AGREE, key, json.dumps(msg).encode(), timeout=timeout, op="agree"))
 
     def add(self, key: str, amount: int) -> int:
         return int.from_bytes(self._call(_ADD, key, amount.to_bytes(8, "little", signed=True)),
@@ -498,3 +628,5 @@ class Store(KeyValueStore):
             pass
         if self._server is not None:
             self._server.close()
+        if self.membership is not None:
+            self.membership.close()

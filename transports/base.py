@@ -28,6 +28,10 @@ class Transport(abc.ABC):
     # The operations it runs: the v-collectives only where a transport implements them (the
     # communicator refuses the others with TransportUnavailable, before anything is sent).
     kinds: ClassVar[frozenset[OpKind]] = frozenset(OpKind) - {OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V}
+    # Why shrink / grow cannot work on this transport (None: they can). They rebuild the
+    # transport over the store for the new group (create), which fits any transport whose
+    # connections the store bootstraps; one whose library makes its own groups cannot.
+    elastic: ClassVar[str | None] = None
 
     rank: int
     size: int
@@ -74,6 +78,14 @@ class Transport(abc.ABC):
 
     def abort(self) -> None:
         """Fail every pending and future operation now; may be called from any thread."""
+
+    def revoke(self) -> None:
+        """abort(), telling the peers it is a revoke where the transport can (comm.elastic)."""
+        self.abort()
+
+    def dead_peers(self) -> list[int]:
+        """Ranks this rank knows first hand to be dead (comm.elastic). Never raises."""
+        return []
 
     def close(self) -> None:
         """Release connections and memory. Idempotent."""

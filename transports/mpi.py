@@ -161,6 +161,11 @@ class MPITransport(Transport):
     name = "mpi"
     kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
+    # MPI makes its own groups: after a death only ULFM (MPIX_Comm_revoke / agree / shrink,
+    # under `mpirun --with-ft ulfm`) can make a new one, and this transport does not drive it.
+    elastic = ("MPI communicators are made by the MPI library, and after a failure only its ULFM "
+               "extension (MPIX_Comm_shrink, Open MPI 5 under `mpirun --with-ft ulfm`) can make a new "
+               "one; this transport does not drive ULFM: use the native transport")
 
     def __init__(self, comm, owned: bool):
         self.comm = comm

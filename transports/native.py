@@ -30,7 +30,7 @@ import time
 
 from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
-                         PeerFailure, TransportUnavailable)
+                         PeerFailure, Revoked, TransportUnavailable)
 from comm.ops import LEAN_BUSY, LEAN_RAN, LEAN_SKIPPED
 from comm.persistent import held_buffers
 from comm.types import DType, ReduceOp, op_allowed
@@ -70,7 +70,7 @@ def _error_classes() -> dict:
     return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
             _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
             _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument,
-            _native.ERR_INTERRUPTED: Aborted}
+            _native.ERR_INTERRUPTED: Aborted, _native.ERR_REVOKED: Revoked}
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
@@ -394,6 +394,12 @@ class NativeTransport(Transport):
 
     def abort(self) -> None:
         self._engine.abort()
+
+    def revoke(self) -> None:
+        self._engine.revoke()
+
+    def dead_peers(self) -> list[int]:
+        return self._engine.dead_peers()
 
     def close(self) -> None:
         self._engine.close()

@@ -177,6 +177,8 @@ class NcclRequest(Request):
 @register
 class NcclTransport(Transport):
     name = "nccl"
+    elastic = ("NCCL makes its own communicators (ncclCommShrink would be the way); this transport "
+               "does not drive it: shrink the CPU communicator and make a new nccl one from it")
     devices = frozenset({"cuda"})
 
     @classmethod
