@@ -313,3 +313,29 @@ def test_grow_and_shrink_loop_without_leaks(monkeypatch):
         assert after["memfds"] == before["memfds"], (first, last)
         # the host keeps every round's bootstrap keys: about 10 KiB a round
         assert after["rss_kb"] - before["rss_kb"] < 2 << 10, (first, last)
+
+
+def test_elastic_ddp_example(tmp_path):
+    """examples/elastic_ddp.py on 4 ranks, rank 2 SIGKILLed at step 20: the survivors shrink and
+    a replacement joins; all four finish with identical parameters and the loss keeps falling."""
+    pytest.importorskip("torch")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "elastic_ddp.py"), "--np", "4",
+                          "--steps", "40", "--kill-rank", "2", "--kill-step", "20", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, COMM_TIMEOUT="60", PYTHONPATH=ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    _wait_for(str(tmp_path / "rank4.json"), 120)   # the replacement is not the launcher's child
+    time.sleep(0.5)
+    results = {}
+    for uid in (0, 1, 3, 4):
+        with open(tmp_path / f"rank{uid}.json") as f:
+            results[uid] = json.load(f)
+    assert not (tmp_path / "rank2.json").exists()
+    assert sorted((r["rank"], r["size"]) for r in results.values()) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    params = [r["params"] for r in results.values()]
+    assert all(p == params[0] for p in params), "the ranks' parameters differ"
+    losses = dict(results[0]["losses"])
+    assert sorted(losses) == list(range(40))   # every step ran once on the survivors, 20 included
+    before, after = np.mean([losses[s] for s in range(15, 20)]), np.mean([losses[s] for s in range(35, 40)])
+    assert after < before < losses[0], losses
+    assert results[4]["losses"][0][0] == 20 and results[4]["losses"] == results[0]["losses"][20:]
