@@ -245,6 +245,7 @@ def shrink(world, timeout: float | None, exclude) -> "object":
             ok = 0
         done = m.agree(f"{key}/ok", live, ok, _dead(new) if new is not None else set(), timeout)
         if done["flag"] == 1 and not done["failed"]:
+            world._failed_ranks = [r for r, u in enumerate(world.ranks) if u not in live and u not in removed]
             return _succeed(world, new)
         if new is not None:
             new.abort()
