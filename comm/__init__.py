@@ -34,10 +34,16 @@ BOR = ReduceOp.BOR
 BXOR = ReduceOp.BXOR
 PREMUL_SUM = ReduceOp.PREMUL_SUM
 
-__all__ = ["init", "join", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
+__all__ = ["init", "join", "torch_group", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
            "CommError", "InvalidArgument", "CommTimeout", "PeerFailure", "Aborted", "Closed",
            "Mismatch", "Revoked", "Excluded", "TransportUnavailable",
            "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]
+
+
+def torch_group(communicator: Communicator, name: str | None = None):
+    """A torch.distributed process group over `communicator` (comm.torch.backend.torch_group)."""
+    from .torch.backend import torch_group as make
+    return make(communicator, name)
 
 
 def _seconds(timeout) -> float:

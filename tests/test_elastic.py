@@ -339,3 +339,37 @@ def test_elastic_ddp_example(tmp_path):
     before, after = np.mean([losses[s] for s in range(15, 20)]), np.mean([losses[s] for s in range(35, 40)])
     assert after < before < losses[0], losses
     assert results[4]["losses"][0][0] == 20 and results[4]["losses"] == results[0]["losses"][20:]
+
+
+def ddp_after_shrink(world, victim):
+    """Rank `victim` dies; the survivors shrink and train one DDP step on torch_group(shrunk)."""
+    import torch
+    if world.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(comm.PeerFailure):
+        world.all_reduce(np.ones(1))
+    new = world.shrink()
+    pg = comm.torch_group(new)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
+    ddp(torch.full((2, 4), float(new.rank + 1))).sum().backward()
+    grads = [p.grad.tolist() for p in model.parameters()]
+    pg.shutdown()
+    return new.ranks, grads
+
+
+def test_ddp_on_the_torch_group_of_a_shrunk_communicator():
+    pytest.importorskip("torch")
+    c = Cluster(3, env={"COMM_TIMEOUT": "20"})
+    try:
+        c.submit(ddp_after_shrink, 1)
+        out = c.collect([0, 2], 120)
+    finally:
+        c.kill()
+        c.close()
+    for ok, value, _ in out.values():
+        assert ok, value[1]
+        ranks, (weight, bias) = value
+        # the input is 2 rows of (rank + 1): DDP averages 2 * 1 and 2 * 2 over the two survivors
+        assert ranks == (0, 2) and weight == [[3.0] * 4] and bias == [2.0], value

@@ -85,7 +85,7 @@ class ProcessGroupComm(dist.ProcessGroup):
     supports_splitting = supports_coalescing = supports_time_estimate = supports_shrinking = False
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta, group_name: str,
-                 global_ranks: list[int]):
+                 global_ranks: list[int], communicator: Communicator | None = None):
         super().__init__(rank, size)
         self._store = store
         self.timeout = timeout.total_seconds()
@@ -97,6 +97,9 @@ class ProcessGroupComm(dist.ProcessGroup):
         self._coalesced: list[TorchWork] | None = None
         self._closed = False
         self._barriers = 0
+        if communicator is not None:   # comm.torch_group: the group of an existing communicator
+            self._comms["cpu"] = communicator
+            self._completers["cpu"] = Completer(f"comm-torch-{self._name}-cpu", self.timeout)
         self._communicator("cpu", "init")
         _live_groups.add(self)
 
@@ -145,6 +148,10 @@ class ProcessGroupComm(dist.ProcessGroup):
             if self._closed:
                 raise as_torch_error(Closed("the process group was shut down", rank=self.rank(), op=op))
             comm = self._comms.get(device)
+            if comm is None and self._store is None:
+                raise as_torch_error(TransportUnavailable(
+                    f"this group was made from a communicator (comm.torch_group) and has no store to "
+                    f"connect {device} tensors with; it takes CPU tensors", rank=self.rank(), op=op))
             if comm is None:
                 try:
                     transport = transport_for(device)
@@ -436,6 +443,10 @@ class ProcessGroupComm(dist.ProcessGroup):
         """Gloo's monitored barrier over the group's store: rank 0 names the ranks that did not
         arrive in time (all of them with wait_all_ranks) instead of hanging. torch's
         dist.monitored_barrier only accepts gloo groups; call this method on the group."""
+        if self._store is None:
+            raise as_torch_error(TransportUnavailable("monitored_barrier needs a store; this group was made "
+                                                      "from a communicator (comm.torch_group)",
+                                                      rank=self.rank(), op="monitored_barrier"))
         seconds = timeout.total_seconds() if timeout is not None else self.timeout
         self._barriers += 1
         store = TorchStore(dist.PrefixStore(f"monitored_barrier/{self._barriers}/", self._store),
@@ -515,6 +526,16 @@ class ProcessGroupComm(dist.ProcessGroup):
         for completer in completers.values():
             completer.join(self.timeout + 30)
         _live_groups.discard(self)
+
+
+def torch_group(communicator: Communicator, name: str | None = None) -> ProcessGroupComm:
+    """A torch.distributed process group over `communicator` (CPU tensors), e.g. one that shrink
+    or grow made: pass it to DDP (process_group=) or to torch.distributed calls (group=). The
+    group takes the communicator over: its shutdown() closes it."""
+    name = name or f"{communicator._ctx.group_name}@{communicator.epoch}"
+    return ProcessGroupComm(None, communicator.rank, communicator.size,
+                            datetime.timedelta(seconds=communicator.timeout), name,
+                            list(communicator.ranks), communicator=communicator)
 
 
 def _create(common, backend_options) -> ProcessGroupComm:
