@@ -75,6 +75,18 @@ def _all_gather_coalesced(dist, group, rank, n):
     return [[t.tolist() for t in per_rank] for per_rank in outputs]
 
 
+def _uneven(dist, rank, n):
+    """torch's uneven forms (gloo has none to compare with): all_gather of tensors of another
+    size per rank, reduce_scatter into blocks of another size per rank (all_gather_v /
+    reduce_scatter_v underneath), blocking and async."""
+    outs = [torch.zeros(q + 1, 2) for q in range(n)]
+    dist.all_gather(outs, torch.full((rank + 1, 2), rank + 1.0))
+    out = torch.zeros(rank % 2)
+    w = dist.reduce_scatter(out, [torch.arange(float(q % 2)) + rank for q in range(n)], async_op=True)
+    w.wait()
+    return [o.tolist() for o in outs], out.tolist()
+
+
 def _any_source(dist, group, rank, n, tag):
     """Every other rank sends its rank to rank 0, which receives from any source: blocking recv
     (plain, under the autograd profiler, under torch.profiler), then irecv."""
@@ -147,6 +159,7 @@ def _parity(rank, size, port):
         checks["forms"] = [_argument_forms(dist, pg, rank, size) for pg in (world, gloo)]
         # 2. all_gather_coalesced
         checks["agc"] = [_all_gather_coalesced(dist, g, rank, size) for g in (world, gloo)]
+        checks["uneven"] = _uneven(dist, rank, size)
         # 3. receives from any source
         checks["any"] = [_any_source(dist, g, rank, size, tag) for g, tag in ((world, 100), (gloo, 200))]
         # 4. sparse all_reduce, also from DDP over nn.Embedding(sparse=True)
@@ -190,6 +203,9 @@ def test_parity_with_gloo(ranks, n):
     for rank, c in enumerate(results):
         assert c["forms"][0] == c["forms"][1], rank
         assert c["agc"][0] == c["agc"][1], rank
+        gathered, scattered = c["uneven"]
+        assert gathered == [[[q + 1.0] * 2] * (q + 1) for q in range(n)], rank
+        assert scattered == ([] if rank % 2 == 0 else [sum(range(n)) * 1.0]), rank
         if rank == 0:
             assert c["any"][0] == c["any"][1] == [peers] * 4
             assert c["timeout"] == (True, True)

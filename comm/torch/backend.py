@@ -281,12 +281,18 @@ class ProcessGroupComm(dist.ProcessGroup):
         out = self._one("reduce_scatter", tensor_list(outputs))
         parts = inputs if isinstance(outputs, torch.Tensor) else self._one("reduce_scatter", inputs,
                                                                             "list of input lists")
-        if len(parts) != self.size() or any(p.numel() != out.numel() for p in parts):
-            raise self._error("reduce_scatter", f"expected {self.size()} inputs of {out.numel()} elements")
+        if len(parts) != self.size() or parts[self.rank()].numel() != out.numel():
+            raise self._error("reduce_scatter", f"expected {self.size()} inputs, this rank's of {out.numel()} "
+                                                "elements (the output's)")
         copies: list = []
         buf, flat, rop = as_output(out, copies), cat(parts), reduce_op(opts.reduceOp)
-        return self._launch("reduce_scatter", out.device,
-                            lambda c, a: [c.reduce_scatter(buf, flat, rop, async_op=a)], [out], copies, opts)
+        counts = [real(p).numel() for p in parts]
+        if counts.count(buf.numel()) == len(counts):
+            return self._launch("reduce_scatter", out.device,
+                                lambda c, a: [c.reduce_scatter(buf, flat, rop, async_op=a)], [out], copies, opts)
+        return self._launch("reduce_scatter", out.device,   # uneven: block r is input r's size
+                            lambda c, a: [c.reduce_scatter_v(buf.view(-1), flat, counts, rop, async_op=a)],
+                            [out], copies, opts)
 
     def reduce_scatter_single(self, output, input, opts=None) -> TorchWork:
         opts = options(ReduceScatterOptions, opts)
@@ -306,14 +312,19 @@ class ProcessGroupComm(dist.ProcessGroup):
             outputs, inputs = [outputs], [inputs]
         t = self._one("all_gather", tensor_list(inputs))
         parts = self._one("all_gather", outputs, "list of output lists")
-        if len(parts) != self.size() or any(p.numel() != t.numel() for p in parts):
-            raise self._error("all_gather", f"expected {self.size()} outputs of {t.numel()} elements "
-                                            "(all ranks must contribute tensors of one size)")
+        if len(parts) != self.size() or parts[self.rank()].numel() != t.numel():
+            raise self._error("all_gather", f"expected {self.size()} outputs, this rank's of {t.numel()} "
+                                            "elements (the input's)")
         src, copies = as_input(t), []
-        flat = src.new_empty(src.numel() * self.size())
+        counts = [real(p).numel() for p in parts]   # ranks may contribute tensors of other sizes
+        flat = src.new_empty(sum(counts))
         unpack(flat, parts, copies)
+        if counts.count(src.numel()) == len(counts):
+            return self._launch("all_gather", t.device,
+                                lambda c, a: [c.all_gather(flat, src, async_op=a)], outputs, copies, opts)
         return self._launch("all_gather", t.device,
-                            lambda c, a: [c.all_gather(flat, src, async_op=a)], outputs, copies, opts)
+                            lambda c, a: [c.all_gather_v(flat, src.view(-1), counts, async_op=a)],
+                            outputs, copies, opts)
 
     def all_gather_single(self, output, input, opts=None) -> TorchWork:
         opts = options(AllgatherOptions, opts)
