@@ -123,6 +123,10 @@ def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Com
         port = rendezvous.free_port()
     log.debug(place.rank, f"init: rank {place.rank} of {place.size} (launcher {place.launcher}), "
                           f"transport {name}, rendezvous {addr}:{port}, timeout {seconds:g} s")
+    if log.enabled():   # what this machine offers, as `python -m comm.doctor` prints it
+        from . import doctor
+        for line in doctor.report():
+            log.debug(place.rank, line)
     # torchrun's agent already serves a torch TCPStore on MASTER_PORT: join it as a client, unless
     # the caller named the rendezvous itself (then it is ours to host, wherever torchrun's is)
     if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and master_addr is None

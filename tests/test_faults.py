@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import comm
-from harness import Cluster
+from harness import ENGINE_CHANNELS, Cluster, engine_param, engine_setup
 from bench.cluster import NetnsCluster, unavailable
 from reference import dtypes as dtypes_here
 from transports import base
@@ -48,9 +48,10 @@ def pid(world):
     return os.getpid()
 
 
-def _fault(n, victim, sig, env):
+def _fault(n, victim, sig, channels="auto"):
     segments = shm_segments()
-    c = Cluster(n, env=dict({"COMM_TIMEOUT": str(TIMEOUT)}, **env))
+    transport, env = engine_setup(channels)
+    c = Cluster(n, transport, env=dict({"COMM_TIMEOUT": str(TIMEOUT)}, **env))
     try:
         pids = c.run(pid)
         c.submit(busy_loop, 60)
@@ -66,11 +67,11 @@ def _fault(n, victim, sig, env):
         c.kill()
 
 
-@pytest.mark.parametrize("channels", ["auto", "tcp"])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_peer_killed(n, channels):
     victim = n - 1
-    results, _, before = _fault(n, victim, signal.SIGKILL, {"COMM_CHANNELS": channels})
+    results, _, before = _fault(n, victim, signal.SIGKILL, channels)
     for r, (ok, value, seconds) in results.items():
         assert ok and value is not None, f"rank {r}: {value}"
         kind, text, peer, after = value
@@ -82,9 +83,10 @@ def test_peer_killed(n, channels):
     assert shm_segments() <= before, f"left in /dev/shm: {shm_segments() - before}"
 
 
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
 @pytest.mark.parametrize("n", [2, 3])
-def test_peer_stopped(n):
-    results, _, _ = _fault(n, 0, signal.SIGSTOP, {})
+def test_peer_stopped(n, channels):
+    results, _, _ = _fault(n, 0, signal.SIGSTOP, channels)
     for r, (ok, value, seconds) in results.items():
         assert ok and value is not None, f"rank {r}: {value}"
         kind, text, _, _ = value
@@ -217,9 +219,11 @@ def soak(world, iterations, seed):
     return wrong, len(os.listdir("/proc/self/fd")) - fds0, rss
 
 
-def test_soak_random_collectives():
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
+def test_soak_random_collectives(channels):
     before = shm_segments()
-    c = Cluster(4)
+    transport, env = engine_setup(channels)
+    c = Cluster(4, transport, env=env)
     try:
         results = c.run(soak, 10_000, 1234, timeout=900)
     finally:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from harness import HERE, ROOT, free_port
+from harness import ENGINE_CHANNELS, HERE, ROOT, engine_param, engine_setup, free_port
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
@@ -67,13 +67,17 @@ class Job:
 EXITS = ["exception", "sys_exit", "return", "os_exit", "sigkill"]
 
 
-@pytest.mark.parametrize("channels", ["auto", "tcp"])
+def _engine_env(channels: str) -> dict:
+    transport, env = engine_setup(channels)
+    return {**env, "COMM_TRANSPORT": transport}
+
+
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("kind", EXITS)
 def test_every_exit_is_peer_failure(kind, n, channels):
     victim = n - 1
-    reports = Job("exit_kinds", n, {"VICTIM": str(victim), "KIND": kind,
-                                    "COMM_CHANNELS": channels}).finish()
+    reports = Job("exit_kinds", n, {"VICTIM": str(victim), "KIND": kind, **_engine_env(channels)}).finish()
     died_at = reports[victim][0]["died_at"]
     for r in range(n - 1):
         assert len(reports[r]) == 1, reports
@@ -85,9 +89,9 @@ def test_every_exit_is_peer_failure(kind, n, channels):
         print(f"{kind} n={n} {channels}: rank {r} noticed in {noticed * 1000:.0f} ms")
 
 
-@pytest.mark.parametrize("channels", ["auto", "tcp"])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
 def test_fork_child_is_refused_and_parent_unaffected(channels):
-    job = Job("fork", 2, {"COMM_CHANNELS": channels})
+    job = Job("fork", 2, _engine_env(channels))
     reports = job.finish()
     child = [line for line in reports[0] if line.get("child")]
     parent = [line for line in reports[0] if not line.get("child")]
@@ -143,20 +147,14 @@ def _interrupt(mode: str, env: dict | None = None) -> tuple[list[list[dict]], fl
     return reports, sent
 
 
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
 @pytest.mark.parametrize("mode", ["all_reduce", "wait", "recv"])
-def test_ctrl_c_interrupts_a_blocked_operation(mode):
-    reports, sent = _interrupt(mode)
+def test_ctrl_c_interrupts_a_blocked_operation(mode, channels):
+    reports, sent = _interrupt(mode, _engine_env(channels))
     peer = reports[1][0]  # the native engine tells the peers that rank 0 aborted
     assert peer["error"] == "PeerFailure" and peer["peer"] == 0, peer
     assert peer["at"] - sent < NOTICE, f"rank 1 waited {peer['at'] - sent:.2f} s"
     print(f"  peer {peer['error']} in {(peer['at'] - sent) * 1000:.0f} ms: {peer['text']}")
-
-
-@pytest.mark.skipif(base.unavailable_reason("ucx") is not None,
-                    reason=f"ucx: {base.unavailable_reason('ucx')}")
-def test_ctrl_c_interrupts_a_python_transport():
-    """Python transports wait in interruptible slices too (their peers see a timeout)."""
-    _interrupt("wait", {"COMM_TRANSPORT": "ucx", "COMM_TIMEOUT": "5"})
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -87,6 +87,12 @@ class Channel {
   virtual short poll_events(bool is_send) const { return is_send ? POLLOUT : POLLIN; }
   // Wake a peer blocked on us (abort): it sees the connection drop.
   virtual void shutdown() {}
+  // True when everything the peer sent before its goodbye ('B' on the monitor socket) has
+  // reached this channel by then, so a transfer that still cannot complete after a progress
+  // pass never will (the engine then fails it with PEER_FAILURE instead of waiting out the
+  // timeout). Shared memory answers through ready(); a net whose channels are closed, and
+  // flushed, before the goodbye is sent (Engine::close) says true here. TCP sees the EOF.
+  virtual bool flushed_before_goodbye() const { return false; }
   // `t` failed with its operation and is never progressed again: stop anything in flight
   // that still points at its buffer (the caller may free it next). Byte streams have nothing
   // in flight between progress() calls; a network channel cancels its requests.

@@ -47,6 +47,13 @@ void Comm::release() {
   net.reset();
 }
 
+void Comm::close_channels() {
+  for (Peer& p : peers) {
+    p.coll.reset();
+    p.p2p.reset();
+  }
+}
+
 void Comm::forget() {
   if (net) {
     // A fabric library's state is the parent's (threads, registrations, connections that
@@ -150,6 +157,8 @@ void Comm::drive(Transfer* ts, size_t n) {
     for (size_t i = 0; i < n; i++)
       if (!ts[i].complete() && ts[i].ch->sockets().empty())
         check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });
+      else if (!ts[i].complete() && ts[i].ch->flushed_before_goodbye())
+        check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->progress(ts[i]) && !ts[i].complete(); });
   }
 }
 

@@ -178,6 +178,7 @@ class Comm {
   // ranks that were not waiting on the lost one directly fail now, not at their timeout.
   void relay_failure(const CommError& e);
   void release();      // close every connection and unmap shared memory
+  void close_channels();  // the peers' channels only (the monitor sockets stay)
   // In a forked child: close this process's copies of the connections and mappings
   // without touching what the parent shares (no goodbye, no shutdown).
   void forget();

@@ -299,6 +299,9 @@ void Engine::close() {
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
   if (p2p_) p2p_->stop();  // pending sends / receives fail with CLOSED
+  // A net's channels close first: closing flushes what they sent, so it has reached every
+  // peer before the goodbye tells them that nothing more will come (flushed_before_goodbye).
+  if (comm_.net) comm_.close_channels();
   if (!comm_.aborted.load()) comm_.say_goodbye();
   // p2p_ lives on (stopped: it answers CLOSED) so a racing post never sees it freed.
   comm_.release();

@@ -396,7 +396,14 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
   for (int p = 0; p < c_.size; p++) {
     const PeerState& ps = peers_[p];
     if (ps.ch && ps.ch->sockets().empty()) c_.check_closed_peer(p, [&] { return stuck(ps); });
+    // After a pass found nothing to move (pass() runs before every idle()).
+    else if (ps.ch && ps.ch->flushed_before_goodbye()) c_.check_closed_peer(p, [&] { return busy(ps); });
   }
+}
+
+// Work pending with this peer.
+bool P2P::busy(const PeerState& ps) const {
+  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty();
 }
 
 // Pending work with this peer that its stream cannot move now.

@@ -94,6 +94,7 @@ class P2P {
   void fail_all(const CommError& e);
   void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
   bool stuck(const PeerState& ps) const;
+  bool busy(const PeerState& ps) const;
 
   Comm& c_;
   std::vector<PeerState> peers_;

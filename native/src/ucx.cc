@@ -37,7 +37,8 @@ constexpr size_t kMaxDrainBytes = size_t{256} << 20;
 constexpr auto kCloseWait = std::chrono::milliseconds(500);
 
 #define COMM_UCP_FUNCTIONS(X)                                                                  \
-  X(ucp_get_version) X(ucp_config_read) X(ucp_config_release) X(ucp_init_version)             \
+  X(ucp_get_version) X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release)             \
+  X(ucp_init_version)                                                                          \
   X(ucp_cleanup) X(ucp_context_print_info) X(ucp_worker_create) X(ucp_worker_destroy)         \
   X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
   X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
@@ -117,6 +118,7 @@ class UcxChannel final : public Channel {
   const std::vector<int>& sockets() const override { return w_.efd; }
   short poll_events(bool) const override { return POLLIN; }
   void abandon(Transfer& t) override;
+  bool flushed_before_goodbye() const override { return true; }  // see Engine::close
   void forget() { forgotten_ = true; }
 
  private:
@@ -375,6 +377,12 @@ UcxNet::UcxNet(const Ucp& u, int rank) : u_(u), rank_(rank) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = u_.ucp_config_read(nullptr, nullptr, &config);  // UCX_* variables apply
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_read: ") + u_.ucs_status_string(st));
+  // CMA (process_vm_readv) from a peer that died aborts the whole process when the endpoint
+  // has no error handling (UCX's cma_ep.c: a fatal error), which endpoints on one host do not
+  // (see UcxChannel). So every transport but CMA, unless UCX_TLS chooses; large messages on
+  // one host then go through UCX's shared-memory copies.
+  if (!std::getenv("UCX_TLS")) st = u_.ucp_config_modify(config, "TLS", "^cma");
+  if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify: ") + u_.ucs_status_string(st));
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
