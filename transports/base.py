@@ -100,7 +100,7 @@ def poll_until(done, timeout: float | None, timed_out) -> None:
     """Call done() until it is true, else raise timed_out() after `timeout` seconds.
 
     For libraries that progress only while someone calls them (MPI's non-blocking
-    collectives, UCX workers): a waiter that sleeps early stalls its peers' rounds too, so
+    collectives, NCCL's streams): a waiter that sleeps early stalls its peers' rounds too, so
     it polls, yielding the core, for the first milliseconds, then backs off to sleeps of up
     to 1 ms for long waits. (Not sleep(0) while polling: timer slack makes any sleep ~50 us.)"""
     start = time.monotonic()
@@ -188,7 +188,7 @@ class ProgressThread:
 
 
 class CollectiveQueue:
-    """The collectives of a point-to-point transport (UCX, verbs), from comm.algorithms.
+    """The collectives of a point-to-point transport (verbs), from comm.algorithms.
 
     Numbers them alike on every rank (the tag of each comes from that number, so it must not
     count send/recv, which ranks post differently) and runs them in posting order: inline

@@ -85,6 +85,10 @@ class Channel {
   // What poll() waits for on sockets() for a transfer of this direction. An event-driven
   // channel (one descriptor for all its completions) says POLLIN for sends too.
   virtual short poll_events(bool is_send) const { return is_send ? POLLOUT : POLLIN; }
+  // True when bytes may arrive without the kernel noticing (a fabric's shared memory or RDMA
+  // polled in user space, UCX's included): the engine then spins and yields before it
+  // sleeps, as for shared memory, instead of sleeping in poll() at once as for sockets.
+  virtual bool polled() const { return false; }
   // Wake a peer blocked on us (abort): it sees the connection drop.
   virtual void shutdown() {}
   // True when everything the peer sent before its goodbye ('B' on the monitor socket) has

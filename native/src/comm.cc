@@ -140,7 +140,7 @@ void Comm::drive(Transfer* ts, size_t n) {
     for (size_t i = 0; i < n; i++) {
       if (ts[i].complete()) continue;
       const auto& socks = ts[i].ch->sockets();
-      if (socks.empty()) shm_pending = true;
+      if (socks.empty() || ts[i].ch->polled()) shm_pending = true;
       for (int fd : socks) fds.push_back({fd, ts[i].ch->poll_events(ts[i].is_send), 0});
     }
     if (!fds.empty()) {

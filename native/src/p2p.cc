@@ -371,7 +371,7 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     probes.push_back({ps.ch, false});
     if (sending) probes.push_back({ps.ch, true});
     const auto& socks = ps.ch->sockets();
-    if (socks.empty()) shm_pending = true;
+    if (socks.empty() || ps.ch->polled()) shm_pending = true;
     for (int fd : socks)
       fds.push_back({fd, static_cast<short>(ps.ch->poll_events(false) | (sending ? ps.ch->poll_events(true) : 0)), 0});
   }
