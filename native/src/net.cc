@@ -1,4 +1,4 @@
-// The table of nets: adding one is a row here and its own file (ucx.cc).
+// The table of nets: adding one is a row here and its own file (ucx.cc, verbs.cc).
 #include "net.h"
 
 #include <cstring>
@@ -15,12 +15,19 @@ struct NetEntry {
 std::string ucx_unavailable(const NetOptions& opts);
 std::unique_ptr<Net> open_ucx(int rank, int size, const NetOptions& opts);
 #endif
+#ifdef COMM_HAVE_VERBS
+std::string verbs_unavailable(const NetOptions& opts);
+std::unique_ptr<Net> open_verbs(int rank, int size, const NetOptions& opts);
+#endif
 
 namespace {
 
 constexpr NetEntry kNets[] = {
 #ifdef COMM_HAVE_UCX
     {"ucx", ucx_unavailable, open_ucx},
+#endif
+#ifdef COMM_HAVE_VERBS
+    {"verbs", verbs_unavailable, open_verbs},
 #endif
     {nullptr, nullptr, nullptr},
 };
@@ -29,6 +36,9 @@ constexpr NetEntry kNets[] = {
 constexpr const char* kSkipped[][2] = {
 #ifdef COMM_UCX_SKIPPED
     {"ucx", COMM_UCX_SKIPPED},
+#endif
+#ifdef COMM_VERBS_SKIPPED
+    {"verbs", COMM_VERBS_SKIPPED},
 #endif
     {nullptr, nullptr},
 };

@@ -1,0 +1,76 @@
+// libibverbs for the verbs net (verbs.cc): the library loaded at run time, and port
+// discovery. Internal to the net; needs rdma-core's headers.
+#pragma once
+
+#include <infiniband/verbs.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace comm::verbs {
+
+// The verbs net cannot run here; what() says why (no library, no device, no active port).
+struct Unavailable : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The exported functions of libibverbs.so.1; ibv_post_send, ibv_post_recv, ibv_poll_cq and
+// ibv_req_notify_cq are inline calls through the context's ops table and need no symbol.
+struct Lib {
+  decltype(&::ibv_get_device_list) get_device_list;
+  decltype(&::ibv_free_device_list) free_device_list;
+  decltype(&::ibv_get_device_name) get_device_name;
+  decltype(&::ibv_open_device) open_device;
+  decltype(&::ibv_close_device) close_device;
+  decltype(&::ibv_query_device) query_device;
+  decltype(&::ibv_query_port) query_port;  // the exported (compat) symbol: see port_attr()
+  decltype(&::ibv_query_gid) query_gid;
+  decltype(&::_ibv_query_gid_ex) query_gid_ex;  // rdma-core >= 32; null before (type unknown)
+  decltype(&::ibv_alloc_pd) alloc_pd;
+  decltype(&::ibv_dealloc_pd) dealloc_pd;
+  decltype(&::ibv_reg_mr) reg_mr;
+  decltype(&::ibv_dereg_mr) dereg_mr;
+  decltype(&::ibv_create_comp_channel) create_comp_channel;
+  decltype(&::ibv_destroy_comp_channel) destroy_comp_channel;
+  decltype(&::ibv_create_cq) create_cq;
+  decltype(&::ibv_destroy_cq) destroy_cq;
+  decltype(&::ibv_get_cq_event) get_cq_event;
+  decltype(&::ibv_ack_cq_events) ack_cq_events;
+  decltype(&::ibv_create_qp) create_qp;
+  decltype(&::ibv_modify_qp) modify_qp;
+  decltype(&::ibv_destroy_qp) destroy_qp;
+  decltype(&::ibv_wc_status_str) wc_status_str;
+};
+
+// Loads libibverbs.so.1 on first use; throws Unavailable when it cannot (not installed, too old).
+const Lib& lib();
+
+struct PortInfo {
+  std::string device;
+  int port = 0;
+  uint16_t lid = 0;
+  uint8_t mtu = 0;        // enum ibv_mtu code
+  bool ethernet = false;  // RoCE: addressed by GID
+  int gid_index = 0;
+  uint8_t gid[16] = {};
+};
+
+// The first ACTIVE port, of device `wanted` ("name" or "name:port") when given; gid_index -1
+// picks one (choose_gid). Throws Unavailable naming the reason.
+PortInfo find_port(const std::string& wanted, int gid_index);
+// One line per port of every RDMA device (state, link layer, LID, MTU, GIDs).
+std::vector<std::string> describe_ports();
+
+// ibv_get_device_list as an object; throws Unavailable when no device is listed.
+struct DeviceList {
+  ibv_device** list = nullptr;
+  int n = 0;
+  DeviceList();
+  ~DeviceList();
+  DeviceList(const DeviceList&) = delete;
+  DeviceList& operator=(const DeviceList&) = delete;
+};
+
+}  // namespace comm::verbs
