@@ -76,15 +76,13 @@ def _transport(s: str) -> str:
 
 
 def algorithm_names() -> dict[str, list[str]]:
-    """The names COMM_ALGO may take, per transport that reads it."""
-    from .algorithms.dispatch import ALL_REDUCE_ALGOS
-    names = {"verbs": list(ALL_REDUCE_ALGOS)}
+    """The names COMM_ALGO may take, per transport that reads it: the engine's, which runs the
+    algorithms of every engine transport."""
     try:
         from . import _native
-        names = {"native, ucx": list(_native.algorithm_names()), **names}
-    except ImportError:   # the engine is not built: its names cannot be chosen anyway
-        pass
-    return names
+    except ImportError:   # the engine is not built: no transport here chooses an algorithm
+        return {}
+    return {"native, ucx, verbs": list(_native.algorithm_names())}
 
 
 def _algo(s: str) -> str:
@@ -113,10 +111,10 @@ def _ifnames(s: str) -> str:
 VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs.", _transport),
     Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", _seconds(False)),
-    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits: ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination, twolevel (across hosts: shared memory inside each), or flat (the automatic choice without twolevel) (native, ucx); ring, rd, tree (verbs). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
+    Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits (native, ucx, verbs: the engine's): ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination, twolevel (across hosts: shared memory inside each), or flat (the automatic choice without twolevel). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
     Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only).", _one_of("auto", "tcp")),
     Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", _int_at_least(1)),
-    Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the engine's ring and tree algorithms (native, ucx), in bytes.", _int_at_least(1)),
+    Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the engine's ring and tree algorithms (native, ucx, verbs), in bytes.", _int_at_least(1)),
     Variable("COMM_SECRET", "", "Shared job secret: every connection proves it with an HMAC challenge. Empty: unauthenticated (a warning says so).", _opt_str),
     Variable("COMM_BIND_ADDR", "", "IPv4 or IPv6 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ip(s) if s else None),
     Variable("COMM_SOCKET_IFNAME", "", "Network interfaces to listen on, as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: comma-separated name prefixes (eth,ib), =names for exact ones, ^ to exclude (^docker,lo); the first that has an address is used (IPv4, else IPv6). Empty: the interface whose route reaches MASTER_ADDR.", lambda s: _ifnames(s) if s else None),

@@ -199,10 +199,9 @@ def test_bad_algorithm_lists_every_transports_names(monkeypatch):
     with pytest.raises(comm.InvalidArgument) as info:
         comm.init(timeout=5)
     message = str(info.value)
-    assert "verbs: ring, rd, tree" in message, message
     if base.unavailable_reason("native") is None:
         from comm import _native
-        assert f"native, ucx: {', '.join(_native.algorithm_names())}" in message, message
+        assert f"native, ucx, verbs: {', '.join(_native.algorithm_names())}" in message, message
         assert "cma" in _native.algorithm_names() and "pairwise" in _native.algorithm_names()
 
 

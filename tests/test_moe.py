@@ -3,8 +3,7 @@
 A reference MoE layer (router, top-k, experts, weighted combine) computed in this process must
 equal the same layer run expert-parallel with dispatch / combine on 1..4 real rank processes;
 routing properties (identity experts give the input back, each token crosses the wire once per
-rank) are checked with hypothesis on a real Communicator over in-process threads (fast), and
-on real processes for a few examples.
+rank) are checked with hypothesis on real processes (the session's persistent rank pools).
 """
 from __future__ import annotations
 
@@ -16,53 +15,11 @@ from hypothesis import strategies as st
 from comm import moe
 from comm.communicator import Communicator
 from comm.errors import InvalidArgument, Mismatch
-from inproc import run_threads
 from reference import HAVE_TORCH
 from transports import base
-from transports.base import BootstrapContext, CollectiveQueue, OpKind, Request, Transport
 
-# ---- a real Communicator over tests/inproc.py's thread fabric ---------------------------------
-# Collectives run through comm.algorithms, send/recv through the fabric: the Communicator's
-# validation and split logic are the real ones, without spawning processes.
-
-
-class _FabricRequest(Request):
-    def __init__(self, p2p, handle):
-        self.p2p, self.handle = p2p, handle
-
-    def wait(self, timeout=None):
-        self.p2p.wait([self.handle], timeout)
-
-    def test(self):
-        return self.handle.done is None or self.handle.done.is_set()
-
-
-class ThreadTransport(Transport):
-    name = "threads"
-
-    def __init__(self, p2p):
-        self.p2p, self.rank, self.size = p2p, p2p.rank, p2p.size
-        self._collectives = CollectiveQueue(p2p, f"threads-{p2p.rank}", timeout=30,
-                                            chunk_bytes=1 << 20, algo=None)
-
-    @classmethod
-    def create(cls, ctx):
-        raise NotImplementedError("made by thread_world() only")
-
-    def post(self, desc, blocking):
-        if desc.kind is OpKind.SEND:
-            return _FabricRequest(self.p2p, self.p2p.isend(desc.peer, desc.tag, desc.send.numpy()))
-        if desc.kind is OpKind.RECV:
-            return _FabricRequest(self.p2p, self.p2p.irecv(desc.peer, desc.tag, desc.recv.numpy()))
-        return self._collectives.post(desc, blocking)
-
-
-def thread_world(n: int, fn, *args) -> list:
-    """fn(world, *args) on n threads, each with a Communicator; results in rank order."""
-    def body(p2p):
-        ctx = BootstrapContext(p2p.rank, p2p.size, None, 30.0, "threads", group_name="threads")
-        return fn(Communicator(ThreadTransport(p2p), ctx), *args)
-    return run_threads(n, body)
+NATIVE_REASON = base.unavailable_reason("native")
+needs_native = pytest.mark.skipif(NATIVE_REASON is not None, reason=f"native: {NATIVE_REASON}")
 
 
 # ---- the reference MoE layer ------------------------------------------------------------------
@@ -190,7 +147,7 @@ def test_layout_rejects_bad_routing(idx, experts, match):
     assert e.value.rank == 1 and e.value.op == "moe.dispatch_layout"
 
 
-# ---- in-process threads ------------------------------------------------------------------------
+# ---- routing on real processes -----------------------------------------------------------------
 
 
 def _identity_roundtrip(world, cases):
@@ -220,11 +177,13 @@ def routings(draw, ranks=st.integers(1, 4)):
     return n, cases + [experts]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@needs_native
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
 @given(routings())
-def test_identity_experts_return_the_input(case):
+def test_identity_experts_return_the_input(cluster, case):
     n, cases = case
-    for err, unrouted, sent, pairs in thread_world(n, _identity_roundtrip, cases):
+    for err, unrouted, sent, pairs in cluster(n).run(_identity_roundtrip, cases):
         assert err < 1e-5 and unrouted == 0
         assert sent == pairs, "each token goes once to each rank hosting one of its experts"
 
@@ -239,8 +198,9 @@ def _grouping(world):
     return recv, handle.recv_splits, handle.send_splits
 
 
-def test_receiver_groups_by_local_expert():
-    (r0, recv_splits0, send0), (r1, recv_splits1, send1) = thread_world(2, _grouping)
+@needs_native
+def test_receiver_groups_by_local_expert(cluster):
+    (r0, recv_splits0, send0), (r1, recv_splits1, send1) = cluster(2).run(_grouping)
     assert send0 == (1, 2) and send1 == (2, 1)          # rank 1's token 1 goes nowhere
     assert recv_splits0 == (1, 2) and recv_splits1 == (2, 1)
     assert r0.expert_counts == (2, 3)                    # expert 0: t0, r1.t0; expert 1: t0, r1.t2 x2
@@ -263,8 +223,9 @@ def _cached(world):
     return np.array_equal(second.x, 2 * first.x), again is handle, len(calls), np.abs(y - 2 * x).max()
 
 
-def test_cached_dispatch_sends_only_the_payload():
-    for same, reused, calls, err in thread_world(3, _cached):
+@needs_native
+def test_cached_dispatch_sends_only_the_payload(cluster):
+    for same, reused, calls, err in cluster(3).run(_cached):
         assert same and reused and err < 1e-5
         assert calls == 2    # the payload of the cached dispatch, and combine: no count exchange
 
@@ -290,8 +251,9 @@ def _bad_calls(world):
     return errors
 
 
-def test_bad_arguments_are_refused_before_sending():
-    errors = thread_world(2, _bad_calls)[1]
+@needs_native
+def test_bad_arguments_are_refused_before_sending(cluster):
+    errors = cluster(2).run(_bad_calls)[1]
     assert len(errors) == 8, errors
     assert all(e.startswith("[rank 1] moe.") for e in errors), errors
 
@@ -306,9 +268,10 @@ def _requires_grad(world):
     return float((y - x.detach() * routed).abs().max())
 
 
-def test_torch_tensors_that_require_grad_are_exchanged_without_history():
+@needs_native
+def test_torch_tensors_that_require_grad_are_exchanged_without_history(cluster):
     pytest.importorskip("torch")
-    assert max(thread_world(2, _requires_grad)) < 1e-6
+    assert max(cluster(2).run(_requires_grad)) < 1e-6
 
 
 def _disagree(world):
@@ -319,23 +282,14 @@ def _disagree(world):
         return str(e)
 
 
-def test_ranks_that_disagree_on_the_routing_shape_fail_with_mismatch():
-    errors = thread_world(2, _disagree)
+@needs_native
+def test_ranks_that_disagree_on_the_routing_shape_fail_with_mismatch(cluster):
+    errors = cluster(2).run(_disagree)
     assert "rank 1 dispatches with hidden size 5" in errors[0]
     assert "rank 0 dispatches with hidden size 4" in errors[1]
 
 
-def _layer_threads(world, k, kind, dtype):
-    return {(k, kind, dtype): ep_layer(world, k, kind, dtype)}
-
-
-@pytest.mark.parametrize("n", [1, 3])
-def test_expert_parallel_layer_on_threads(n):
-    for k in (1, 4):
-        _check_layer(thread_world(n, _layer_threads, k, *LAYER_KIND), n)
-
-
-# ---- real processes ---------------------------------------------------------------------------
+# ---- the layer on every transport --------------------------------------------------------------
 
 # Other transports get the 3-rank layer; native gets every rank count.
 OTHER_TRANSPORTS = {"mpi": "mpirun", "ucx": "spawn"}
@@ -352,16 +306,6 @@ def _skip_unless(name: str):
                             for name, launcher in OTHER_TRANSPORTS.items()])
 def test_expert_parallel_layer_equals_reference(cluster, transport, launcher, n):
     _check_layer(cluster(n, transport, launcher).run(ep_layer_all), n)
-
-
-@pytest.mark.skipif(bool(base.unavailable_reason("native")), reason="native transport unavailable")
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                HealthCheck.function_scoped_fixture])
-@given(routings(ranks=st.just(3)))
-def test_identity_experts_return_the_input_on_processes(cluster, case):
-    n, cases = case
-    for err, unrouted, sent, pairs in cluster(n).run(_identity_roundtrip, cases):
-        assert err < 1e-5 and unrouted == 0 and sent == pairs
 
 
 def _cuda_layer(world):

@@ -81,7 +81,7 @@ def test_without(dist):
                         transport or ""], cwd=ROOT, env=_clean_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     got = json.loads(p.stdout.splitlines()[-1])
-    assert len(got["modules"]) > 40, got["modules"]   # the walk found the packages' modules
+    assert len(got["modules"]) > 30, got["modules"]   # the walk found the packages' modules
     allowed = {m for m, d in SERVES.items() if d == dist}
     for name, (kind, missing, text) in got["failed"].items():
         assert name in allowed and kind == "ModuleNotFoundError" and missing in hidden, (name, kind, text)

@@ -12,13 +12,12 @@ import pytest
 
 from comm import Communicator, InvalidArgument
 from comm.p2p import P2POp
-from test_moe import thread_world
 from transports import base
 
 needs_native = pytest.mark.skipif(bool(base.unavailable_reason("native")),
                                   reason=f"native: {base.unavailable_reason('native')}")
 
-# ---- batch_p2p itself (threads) -----------------------------------------------------------
+# ---- batch_p2p itself --------------------------------------------------------------------
 
 
 def _bad_batches(world):
@@ -39,7 +38,7 @@ def _bad_batches(world):
         except InvalidArgument as e:
             errors.append(str(e))
     # Nothing of the refused batches was posted: a clean exchange still matches one to one
-    # (run_threads fails on messages left unmatched).
+    # (a send posted by a refused batch would be what this receive gets).
     got = np.zeros(4, np.float32)
     for w in world.batch_p2p([P2POp(Communicator.isend, buf + world.rank, other),
                               P2POp(world.irecv, got, other)]):
@@ -47,8 +46,9 @@ def _bad_batches(world):
     return errors, got.tolist()
 
 
-def test_batch_p2p_checks_every_op_before_posting_any():
-    for rank, (errors, got) in enumerate(thread_world(2, _bad_batches)):
+@needs_native
+def test_batch_p2p_checks_every_op_before_posting_any(cluster):
+    for rank, (errors, got) in enumerate(cluster(2).run(_bad_batches)):
         assert len(errors) == 7, errors
         assert all(e.startswith(f"[rank {rank}] batch_p2p: op ") for e in errors), errors
         assert got == [1 - rank] * 4

@@ -9,12 +9,10 @@ from __future__ import annotations
 import abc
 import importlib
 import os
-import queue
-import threading
 import time
 from typing import ClassVar
 
-from comm.errors import CommError, CommTimeout, TransportUnavailable
+from comm.errors import CommError, TransportUnavailable
 from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
                       Request)  # the protocol's types
 
@@ -114,106 +112,6 @@ def poll_until(done, timeout: float | None, timed_out) -> None:
         else:
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-
-
-class ThreadRequest(Request):
-    """A request completed by a ProgressThread."""
-
-    __slots__ = ("_done", "_error")
-
-    def __init__(self) -> None:
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
-
-    def test(self) -> bool:
-        if self._done.is_set() and self._error is not None:
-            raise self._error
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> None:
-        if not self._done.wait(timeout):
-            raise CommTimeout(f"not completed within {timeout} s")
-        if self._error is not None:
-            raise self._error
-
-
-class ProgressThread:
-    """Runs a Python transport's operations in posting order on one thread, so `async_op=True`
-    returns at once and later blocking calls queue behind earlier async ones."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending = 0
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    @property
-    def idle(self) -> bool:
-        return self._pending == 0
-
-    def submit(self, fn, *args) -> ThreadRequest:
-        req = ThreadRequest()
-        with self._lock:
-            self._pending += 1
-        self._queue.put((fn, args, req))
-        return req
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._run(*item)
-            del item  # no reference to the op's buffers while waiting for the next one
-
-    def _run(self, fn, args, req: ThreadRequest) -> None:
-        try:
-            fn(*args)
-            req._finish(None)
-        except BaseException as e:  # delivered to whoever waits on the request
-            req._finish(e)
-        finally:
-            with self._lock:
-                self._pending -= 1
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout=5)
-
-
-class CollectiveQueue:
-    """The collectives of a point-to-point transport (verbs), from comm.algorithms.
-
-    Numbers them alike on every rank (the tag of each comes from that number, so it must not
-    count send/recv, which ranks post differently) and runs them in posting order: inline
-    when the caller will block and nothing is queued, else on a ProgressThread."""
-
-    def __init__(self, p2p, name: str, *, timeout: float, chunk_bytes: int, algo: str | None):
-        self._p2p = p2p
-        self._timeout, self._chunk_bytes, self._algo = timeout, chunk_bytes, algo
-        self._count = 0
-        self._thread = ProgressThread(name)
-
-    def post(self, desc: OpDesc, blocking: bool) -> Request:
-        self._count += 1
-        if blocking and self._thread.idle:
-            self._run(desc, self._count)
-            return DONE
-        return self._thread.submit(self._run, desc, self._count)
-
-    def _run(self, desc: OpDesc, seq: int) -> None:
-        from comm.algorithms import run
-        run(desc, self._p2p, seq=seq, timeout=self._timeout, chunk_bytes=self._chunk_bytes,
-            algo=self._algo)
-
-    def stop(self) -> None:
-        self._thread.stop()
 
 
 _REGISTRY: dict[str, type[Transport]] = {}
