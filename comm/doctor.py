@@ -1,7 +1,7 @@
 """What this machine offers the library: `python -m comm.doctor`.
 
 Transports (importable, or why not), the engine's nets and UCX's own view of transports and
-devices, RDMA devices (through pyverbs), GPUs and NCCL, and the limits shared memory runs
+devices, RDMA ports (through the engine's verbs net), GPUs and NCCL, and the limits shared memory runs
 into. COMM_DEBUG=1 prints the same report at init. Every probe is local and read-only; a
 probe that fails reports why instead of raising.
 """
@@ -83,31 +83,17 @@ def _ucx() -> list[str]:
 
 
 def _rdma() -> list[str]:
-    from transports.verbs import device as dev
-    if dev.pv is None:
-        return [f"pyverbs: {dev.PYVERBS_ERROR}"]
-    pv, E = dev.pv, dev.E
-    try:
-        devices = pv.device.get_device_list()
-    except pv.pyverbs_error.PyverbsError as e:
-        return [f"no RDMA support in the kernel ({e})"]
-    if not devices:
-        return ["no RDMA device (the kernel lists no InfiniBand/RoCE device)"]
-    lines = []
-    for d in devices:
-        name = d.name.decode() if isinstance(d.name, bytes) else d.name
-        try:
-            with pv.device.Context(name=name) as ctx:
-                for port in range(1, ctx.query_device().phys_port_cnt + 1):
-                    attr = ctx.query_port(port)
-                    link = "Ethernet (RoCE)" if attr.link_layer == E.IBV_LINK_LAYER_ETHERNET else "InfiniBand"
-                    state = "active" if attr.state == E.IBV_PORT_ACTIVE else f"state {attr.state}"
-                    gids = [f"{i}={gid}" for i, gid, _ in dev._gid_table(ctx, port, attr.gid_tbl_len)
-                            if int(gid.replace(":", ""), 16)]
-                    lines.append(f"{name}:{port} {link}, {state}, lid {attr.lid}, GIDs {', '.join(gids) or 'none'}")
-        except pv.pyverbs_error.PyverbsError as e:
-            lines.append(f"{name}: cannot be queried ({e})")
-    return lines
+    """RDMA ports as the engine's verbs net sees them (libibverbs, loaded by the engine), or why
+    it cannot look: built without rdma-core's headers, no library, no device, no active port."""
+    from transports.native import _native
+    from transports.verbs import VerbsTransport
+    if _native is None:
+        return ["the native engine is not built"]
+    options = VerbsTransport.net_options()
+    why = _native.net_unavailable("verbs", options)
+    if why:
+        return [why]
+    return [line for line in _native.net_describe("verbs", options).splitlines() if line]
 
 
 def _gpus() -> list[str]:
