@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <sched.h>
+
 #include "algorithms.h"
 #include "tcp.h"
 
@@ -23,6 +25,7 @@ void Op::rethrow() const {
 
 // Waits in slices of kSignalSlice so a signal (Ctrl-C) interrupts the wait.
 void Op::wait(double timeout_s) {
+  if (engine && !test()) return engine->wait(*this, timeout_s);
   if (!test()) {
     const auto end = timeout_s < 0 ? Clock::time_point::max()
                                    : Clock::now() + std::chrono::duration_cast<Clock::duration>(
@@ -119,31 +122,95 @@ std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
     execute(op);
     lock.lock();
     busy_ = false;
+    const bool queued = !queue_.empty();
     lock.unlock();
-    cv_.notify_all();  // the progress thread may hold queued work; close() may be waiting
+    idle_cv_.notify_all();        // close() may be waiting
+    if (queued) cv_.notify_all();  // the progress thread may hold queued work
     op.rethrow();
     return nullptr;
   }
   auto op = std::make_shared<Op>(std::move(args));
+  op->engine = this;
+  // A blocking post is waited for at once, and so, usually, is a small async one: the
+  // progress thread leaves them to their waiter for kGrace. A large one starts at once.
+  const bool lazy = blocking || std::max(op->args.send_bytes, op->args.recv_bytes) <= kLazyMaxBytes;
+  op->due = lazy ? Clock::now() + kGrace : Clock::time_point::min();
   queue_.push_back(op);
   if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
-  cv_.notify_all();
+  const bool notify = !lazy || !armed_;
+  lock.unlock();
+  if (notify) cv_.notify_all();
   return op;
+}
+
+void Engine::run_front(std::unique_lock<std::mutex>& lock, Clock::time_point end) {
+  auto op = std::move(queue_.front());
+  queue_.pop_front();
+  busy_ = true;
+  lock.unlock();
+  execute(*op, end);
+  lock.lock();
+  busy_ = false;
+  idle_cv_.notify_all();  // waiters of this op and of the next; close()
+  if (!queue_.empty() && queue_.front()->due <= Clock::now()) cv_.notify_all();
+}
+
+void Engine::wait(Op& op, double timeout_s) {
+  const auto start = Clock::now();
+  const auto end = timeout_s < 0 ? Clock::time_point::max()
+                                 : start + std::chrono::duration_cast<Clock::duration>(
+                                               std::chrono::duration<double>(timeout_s));
+  // Once close() began, only the progress thread ends queued ops (with CLOSED).
+  auto claimable = [&] { return !busy_ && !queue_.empty() && !closed_; };
+  auto runnable = [&] { return op.test() || claimable(); };
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    if (op.test()) break;
+    if (claimable()) {
+      // Not done, nothing running: op is still queued. Run the queue up to it, in order,
+      // bounded by this wait's timeout as well as the communicator's.
+      run_front(lock, end);
+      continue;
+    }
+    // Another thread runs an op (the progress thread, or close()). It usually ends soon:
+    // yield the core for a while (a futex wake-up costs tens of microseconds on a busy
+    // machine), then sleep in slices that notice the timeout and signals.
+    lock.unlock();
+    const auto yield_until = Clock::now() + kYieldFor;
+    while (!op.test() && busy_.load(std::memory_order_acquire) && Clock::now() < yield_until)
+      sched_yield();
+    lock.lock();
+    while (!idle_cv_.wait_until(lock, std::min(end, Clock::now() + kSignalSlice), runnable)) {
+      if (Clock::now() >= end)
+        fail(ErrorCode::TIMEOUT, -1, "not completed within " + std::to_string(timeout_s) + " s");
+      lock.unlock();  // the check may wait for Python's lock: never while holding ours
+      check_signals();
+      lock.lock();
+    }
+  }
+  lock.unlock();
+  op.rethrow();
 }
 
 void Engine::progress_loop() {
   std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || (!queue_.empty() && !busy_); });
-    if (stopping_) break;
-    auto op = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    execute(*op);
-    lock.lock();
-    busy_ = false;
-    cv_.notify_all();
+  int idle = 0;
+  while (!stopping_) {
+    if (!busy_ && !queue_.empty()) {
+      if (queue_.front()->due <= Clock::now()) {
+        run_front(lock, Clock::time_point::max());
+        idle = 0;
+      } else {
+        armed_ = true;
+        cv_.wait_until(lock, queue_.front()->due);
+      }
+    } else if (armed_ && idle++ < kArmedSlices) {
+      cv_.wait_for(lock, kGrace);  // a small op may be queued meanwhile without a notify
+    } else {
+      armed_ = false;
+      idle = 0;
+      cv_.wait(lock);
+    }
   }
   for (auto& op : queue_) op->finish(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
   queue_.clear();
@@ -169,7 +236,8 @@ std::vector<RecentOp> Engine::recent_ops() const {
   return out;
 }
 
-void Engine::execute(Op& op) {
+// end: the waiting caller's own timeout, when it runs the op (the communicator's bounds it too).
+void Engine::execute(Op& op, Clock::time_point end) {
   std::optional<CommError> error;
   const auto now = Clock::now();
   const uint64_t seq = ++comm_.coll_seq;
@@ -186,8 +254,8 @@ void Engine::execute(Op& op) {
     error = CommError(ErrorCode::ABORTED, -1, "the communicator was aborted");
   } else {
     try {
-      comm_.deadline.at = now + std::chrono::duration_cast<Clock::duration>(
-                                    std::chrono::duration<double>(comm_.opt.timeout_s));
+      comm_.deadline.at = std::min(end, now + std::chrono::duration_cast<Clock::duration>(
+                                              std::chrono::duration<double>(comm_.opt.timeout_s)));
       run_collective(op.args, seq);
     } catch (const CommError& e) {
       error = e;
@@ -293,7 +361,7 @@ void Engine::close() {
     if (closed_) return;
     closed_ = true;
     // An operation running on a caller's thread still uses the connections.
-    cv_.wait(lock, [&] { return !busy_; });
+    idle_cv_.wait(lock, [&] { return !busy_; });
     stopping_ = true;
   }
   cv_.notify_all();

@@ -1,7 +1,11 @@
 // One communicator of the engine: owns the Comm, runs collectives in posting order.
 // A blocking collective on an idle engine runs on the caller's thread (no hand-off on the
-// latency path); anything else is queued for the progress thread. Send / recv bypass the
-// queue: P2P progresses them independently (p2p.h).
+// latency path); anything else is queued. A queued collective is run by whichever thread
+// comes first: a thread waiting for it (Engine::wait runs the queue up to it on the waiting
+// thread, so post + wait costs what the blocking call costs) or the progress thread, which
+// takes a small one only after kGrace (so an operation nobody waits for still completes:
+// posting order and progress never depend on a wait) and a large one at once (it overlaps
+// the caller's work). Send / recv bypass the queue: P2P progresses them independently (p2p.h).
 #pragma once
 
 #include <array>
@@ -51,6 +55,9 @@ class Engine {
 
   // Returns null when the op ran to completion on this thread (errors are thrown).
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
+  // Op::wait of a queued collective: runs queued collectives on this thread, in posting
+  // order, until `op` is done; spins briefly, then sleeps while another thread runs one.
+  void wait(Op& op, double timeout_s);
   // A collective posted many times with the same arguments (persistent collectives): the
   // algorithm is chosen here, once; post the returned args.
   OpArgs prepare(OpArgs args);
@@ -72,7 +79,9 @@ class Engine {
   int size() const { return comm_.size; }
 
  private:
-  void execute(Op& op);
+  void execute(Op& op, Clock::time_point end = Clock::time_point::max());
+  // Pops the queue's front and runs it on this thread (mu_ held on entry and on return).
+  void run_front(std::unique_lock<std::mutex>& lock, Clock::time_point end);
   void run_collective(const OpArgs& a, uint64_t seq);
   Coll describe(const OpArgs& a) const;
   void progress_loop();
@@ -80,9 +89,20 @@ class Engine {
   Comm comm_;
   std::unique_ptr<P2P> p2p_;
   std::mutex mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_;       // the progress thread sleeps on it
+  std::condition_variable idle_cv_;  // threads waiting for an op to end (Engine::wait, close())
   std::deque<std::shared_ptr<Op>> queue_;
-  bool busy_ = false;
+  std::atomic<bool> busy_{false};  // an op is running (written under mu_; read spinning)
+  // The progress thread sleeps in slices of kGrace while small ops may be queued without a
+  // notify (saving the post a system call); after kArmedSlices idle slices it sleeps until
+  // notified, and the next post notifies it.
+  bool armed_ = false;
+  static constexpr auto kGrace = std::chrono::microseconds(200);
+  static constexpr int kArmedSlices = 100;
+  // A waiter yields this long for the op another thread runs before sleeping.
+  static constexpr auto kYieldFor = std::chrono::microseconds(50);
+  // Up to this many bytes, an op posted asynchronously waits kGrace for its waiter to run it.
+  static constexpr uint64_t kLazyMaxBytes = 64 << 10;
   bool stopping_ = false;
   bool closed_ = false;
   std::atomic<bool> forked_{false};  // read before any lock: a copied mutex may be held

@@ -14,6 +14,7 @@
 namespace comm {
 
 class Comm;
+class Engine;
 struct Coll;
 using AlgorithmFn = void (*)(Comm&, const Coll&);
 
@@ -49,11 +50,17 @@ class Op {
  public:
   explicit Op(OpArgs a) : args(std::move(a)) {}
   const OpArgs args;
+  // A queued collective: the engine whose queue holds it (its wait runs queued collectives on
+  // the waiting thread, Engine::wait), and when the progress thread may take it instead.
+  // Null for send / recv, which P2P progresses.
+  Engine* engine = nullptr;
+  Clock::time_point due{};
   // A receive: the rank its message came from (args.peer, or the sender matched by a receive
   // from any rank). Written before finish(), read after test() / wait() saw it done.
   int source = -1;
   bool test() const { return done_.load(std::memory_order_acquire); }
-  // Waits up to timeout_s (< 0: no limit); throws the op's error, or TIMEOUT.
+  // Waits up to timeout_s (< 0: no limit); throws the op's error, or TIMEOUT. A queued
+  // collective is run on this thread when its turn comes before the progress thread's.
   void wait(double timeout_s);
   void finish(std::optional<CommError> error);
   void rethrow() const;
