@@ -72,6 +72,7 @@ class Communicator:
         self._recorder = FlightRecorder(ctx.rank, ctx.group_name, getattr(transport, "recent_ops", None))
         self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport
         self._lean = transport.run_array  # None: every call takes the full path
+        self._lean_async = transport.post_array   # its async form
         # (request, OpDesc, recorder line) of Works dropped before their operation ended: the
         # transport may still read or write those buffers, so they are held here until the
         # operation is seen to end (_reap, at each post and at close). Appended by Work.__del__
@@ -163,9 +164,7 @@ class Communicator:
         exclusive: a collective, which no other thread may be posting or running at the same
         time (point-to-point calls pass False: they match by peer and tag, not by order)."""
         if self._orphans:
-            self._reap_in -= 1
-            if self._reap_in <= 0:
-                self._reap()
+            self._reap_soon()
         if self._failure is not None or self._closed:
             self._refuse(desc.kind.label)
         if exclusive and not self._busy.acquire(False):
@@ -191,9 +190,42 @@ class Communicator:
             if exclusive:
                 self._busy.release()
         if async_op:
-            return Work(self, req, desc, entry)
+            return Work(self, req, desc.kind.label, desc, entry)
         entry[5] = "done"
         return None
+
+    def _post_lean(self, kind: int, label: str, x, out, op, root):
+        """The async form of the lean path (one native call); None when it does not take
+        these arguments (the caller takes the full path)."""
+        if self._orphans:
+            self._reap_soon()
+        try:
+            posted = self._lean_async(self._busy, kind, x, out, op, root)
+        except BaseException as e:
+            raise self._lean_error(label, e) from None
+        if type(posted) is int:
+            if posted == LEAN_BUSY:
+                raise self._overlap(label)
+            return None
+        return Work(self, posted, label, (x, out))
+
+    def _outcome(self, req, label: str, entry, timeout: float) -> CommError | None:
+        """Wait for a request (the transport's, or the engine's own Work); None, or the
+        CommError it ended with (the communicator poisoned, as _post does)."""
+        try:
+            req.wait(timeout)
+        except CommError as e:
+            return self._failed_op(label, e, entry)
+        except Exception as e:   # the engine's own Work raises the engine's error
+            return self._failed_op(label, self._transport.error(e), entry)
+        if entry is not None:
+            entry[5] = "done"
+        return None
+
+    def _reap_soon(self) -> None:
+        self._reap_in -= 1
+        if self._reap_in <= 0:
+            self._reap()
 
     def _reap(self, most: int = 4) -> None:
         """Let go of dropped Works' buffers whose operations have ended, looking at the `most`
@@ -206,14 +238,15 @@ class Communicator:
                 orphan = self._orphans.popleft()
             except IndexError:  # another thread (point-to-point calls) took the rest
                 return
-            req, desc, entry = orphan
+            req, label, _, entry = orphan
             try:
                 if not req.test():
                     self._orphans.append(orphan)
                     continue
-                entry[5] = "done"
             except CommError as e:
-                self._failed_op(desc.kind.label, e, entry)
+                self._failed_op(label, e, entry)
+            else:
+                self._outcome(req, label, entry, 0)
             released = True
         self._reap_every = 1 if released else min(2 * self._reap_every, 1024)
         self._reap_in = self._reap_every
@@ -295,17 +328,21 @@ class Communicator:
     # ---- collectives -------------------------------------------------------------------------
     def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
         """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
-        lean = self._lean
-        if (lean is not None and scale is None and not async_op and self._failure is None
-                and not self._closed):
-            try:
-                done = lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout)
-            except BaseException as e:
-                raise self._lean_error("all_reduce", e) from None
-            if done == LEAN_RAN:
-                return None
-            if done == LEAN_BUSY:
-                raise self._overlap("all_reduce")
+        lean = self._lean   # (the async lean path exists where this one does)
+        if lean is not None and scale is None and self._failure is None and not self._closed:
+            if async_op:
+                work = self._post_lean(_ALL_REDUCE, "all_reduce", x, out, op, None)
+                if work is not None:
+                    return work
+            else:
+                try:
+                    done = lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout)
+                except BaseException as e:
+                    raise self._lean_error("all_reduce", e) from None
+                if done == LEAN_RAN:
+                    return None
+                if done == LEAN_BUSY:
+                    raise self._overlap("all_reduce")
         return self._post(self._all_reduce(x, op, out, scale), async_op)
 
     def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
@@ -377,15 +414,20 @@ class Communicator:
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Copy root's x into x on every rank."""
         lean = self._lean
-        if lean is not None and not async_op and self._failure is None and not self._closed:
-            try:
-                done = lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout)
-            except BaseException as e:
-                raise self._lean_error("broadcast", e) from None
-            if done == LEAN_RAN:
-                return None
-            if done == LEAN_BUSY:
-                raise self._overlap("broadcast")
+        if lean is not None and self._failure is None and not self._closed:
+            if async_op:
+                work = self._post_lean(_BROADCAST, "broadcast", x, None, 0, root)
+                if work is not None:
+                    return work
+            else:
+                try:
+                    done = lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout)
+                except BaseException as e:
+                    raise self._lean_error("broadcast", e) from None
+                if done == LEAN_RAN:
+                    return None
+                if done == LEAN_BUSY:
+                    raise self._overlap("broadcast")
         return self._post(self._broadcast(x, root), async_op)
 
     def broadcast_init(self, x, root: int = 0) -> Persistent:

@@ -13,14 +13,16 @@ refuses, with InvalidArgument, a buffer that was resized, reallocated or freed s
 (a torch tensor's resize_ or set_, numpy's resize): the operation would otherwise write
 memory that is no longer the caller's. The data in the buffers is read at each start.
 
-On the native engine a start is one native call (the blocking form runs on the caller's
-thread); other transports post the prepared descriptor on each start.
+On the native engine h() and start() are one native call each, and wait() runs a started
+operation on the caller's thread unless the engine already began it; other transports post
+the prepared descriptor on each start.
 """
 from __future__ import annotations
 
 from .buffers import as_buffer
 from .errors import InvalidArgument
 from .ops import OpDesc, OpKind
+from .work import Work
 
 
 class Persistent:
@@ -28,7 +30,9 @@ class Persistent:
     operation's CommError, as Work.wait does), h() does both, close() releases the buffers.
     One operation in flight per handle: wait() before the next start()."""
 
-    __slots__ = ("_comm", "_desc", "_label", "_prepared", "_run", "_work")
+    # _work: the started operation: the engine's own Work (from the prepared op's start), or
+    # a comm.Work (from Communicator._post)
+    __slots__ = ("_comm", "_desc", "_label", "_prepared", "_run", "_start", "_work")
 
     def __init__(self, comm, desc: OpDesc):
         self._comm = comm
@@ -40,7 +44,16 @@ class Persistent:
         prepared = None if staged else comm._transport.prepare(desc)
         self._prepared = prepared if prepared is not None else _Reposted(comm, desc, staged)
         self._run = getattr(prepared, "run", None)  # start + wait in one call, where there is one
+        self._start = getattr(prepared, "start", None)  # the lean start, where there is one
         self._work = None
+
+    def __del__(self) -> None:
+        # Dropped after a lean start() without wait(): the engine may still write the buffers
+        # (the prepared op holds them), so the communicator holds them until the op ends. A
+        # comm.Work started through _post does the same itself.
+        work = getattr(self, "_work", None)
+        if work is not None and type(work) is not Work:
+            self._comm._orphans.append((work, self._label, self._prepared, None))
 
     def __repr__(self) -> str:
         state = "closed" if self._desc is None else "started" if self._work is not None else "ready"
@@ -62,23 +75,42 @@ class Persistent:
 
     def start(self) -> None:
         """Post the operation and return at once; wait() completes it."""
+        c, start = self._comm, self._start
+        if start is not None and self._work is None and c._failure is None and not c._closed:
+            if c._orphans:
+                c._reap_soon()
+            try:
+                work = start(c._busy)
+            except BaseException as e:
+                raise c._lean_error(self._label, e) from None
+            if work is None:
+                raise c._overlap(self._label)
+            self._work = work
+            return
         self._ready()
-        self._work = self._comm._post(self._desc, True, self._prepared)
+        self._work = c._post(self._desc, True, self._prepared)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the started operation (default: the communicator's timeout)."""
-        work = self._work
+        work, c = self._work, self._comm
         if work is None:
-            raise InvalidArgument("wait() without a start()", rank=self._comm.rank, op=self._label)
+            raise InvalidArgument("wait() without a start()", rank=c.rank, op=self._label)
         self._work = None
-        work.wait(timeout)
+        if type(work) is Work:
+            work.wait(timeout)
+            return
+        try:
+            work.wait(c.timeout if timeout is None else timeout)
+        except BaseException as e:
+            raise c._lean_error(self._label, e) from None
 
     def close(self) -> None:
         """Wait for a started operation, then release the buffers. Idempotent."""
-        work, self._work = self._work, None
-        self._desc = self._prepared = self._run = None
-        if work is not None:
-            work.wait()
+        try:
+            if self._work is not None:
+                self.wait()
+        finally:
+            self._desc = self._prepared = self._run = self._start = None
 
     def __enter__(self) -> "Persistent":
         return self

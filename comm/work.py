@@ -5,63 +5,66 @@ import threading
 
 from .errors import CommError
 
+# Orders add_done_callback against _finish when threads race; uncontended it costs a few tens
+# of nanoseconds, cheaper than a lock per Work (which every async call would create).
+_CALLBACKS = threading.Lock()
+
 
 class Work:
     """Returned by every operation called with ``async_op=True`` (and by isend / irecv).
 
     wait(timeout=None) blocks until the operation completes (default: the communicator's
-    timeout) and raises the operation's CommError if it failed; is_completed() never blocks.
-    The buffers stay referenced until the operation completes, even if the Work is dropped
-    unwaited (the communicator then holds them, and releases them once it sees the end).
+    timeout) and raises the operation's CommError if it failed; on the native engine it runs
+    the operation on the waiting thread when it has not started yet. is_completed() never
+    blocks. The buffers stay referenced until the operation completes, even if the Work is
+    dropped unwaited (the communicator then holds them, and releases them once it sees the end).
     """
 
-    __slots__ = ("_comm", "_req", "_desc", "_entry", "_error", "_done", "_callbacks", "_lock")
+    __slots__ = ("_comm", "_req", "_label", "_keep", "_entry", "_error", "_done", "_callbacks")
 
-    def __init__(self, comm, req, desc, entry):
+    def __init__(self, comm, req, label: str, keep, entry=None):
         self._comm = comm
-        self._req = req
-        self._desc = desc
-        self._entry = entry  # the flight recorder's line for this op
+        self._req = req          # the transport's request, or the engine's own Work
+        self._label = label      # the operation's name, for errors
+        self._keep = keep        # what holds the buffers (an OpDesc, or the arrays themselves)
+        self._entry = entry      # the flight recorder's line for this op (None: the engine's)
         self._error: CommError | None = None
         self._done = False
-        self._callbacks: list = []
-        self._lock = threading.Lock()
+        self._callbacks: list | None = None
 
     def __del__(self) -> None:
-        # Dropped while its operation may still run (never waited, or a persistent handle
-        # dropped after start()): the transport may still write the buffers, so the
-        # communicator holds them until it sees the operation end.
-        if not self._done and self._desc is not None:
-            self._comm._orphans.append((self._req, self._desc, self._entry))
+        # Dropped while its operation may still run (never waited): the transport may still
+        # write the buffers, so the communicator holds them until it sees the operation end.
+        if not self._done and self._keep is not None:
+            self._comm._orphans.append((self._req, self._label, self._keep, self._entry))
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:
-            if self._comm._foreign:
-                self._comm._refuse("wait")
+            c = self._comm
+            if c._foreign:
+                c._refuse("wait")
             try:
-                self._req.wait(self._comm.timeout if timeout is None else timeout)
-            except CommError as e:
-                self._finish(self._comm._failed_op(self._desc.kind.label, e, self._entry))
+                error = c._outcome(self._req, self._label, self._entry, c.timeout if timeout is None else timeout)
             except BaseException as e:  # Ctrl-C while waiting
-                self._comm._interrupted(e, self._entry)
+                c._interrupted(e, self._entry)
                 raise
-            else:
-                self._finish(None)
+            self._finish(error)
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         if not self._done:
-            if self._comm._foreign:
-                self._comm._refuse("is_completed")
+            c = self._comm
+            if c._foreign:
+                c._refuse("is_completed")
             try:
                 if not self._req.test():
                     return False
             except CommError as e:
-                self._finish(self._comm._failed_op(self._desc.kind.label, e, self._entry))
+                self._finish(c._failed_op(self._label, e, self._entry))
                 return True
-            self._finish(None)
+            self._finish(c._outcome(self._req, self._label, self._entry, 0))
         return True
 
     @property
@@ -78,19 +81,20 @@ class Work:
     def add_done_callback(self, fn) -> None:
         """Call fn(work) once the operation is known to have completed (from wait/is_completed,
         or at once if it already has). Used by the torch backend's futures."""
-        with self._lock:
+        with _CALLBACKS:
             if not self._done:
+                if self._callbacks is None:
+                    self._callbacks = []
                 self._callbacks.append(fn)
                 return
         fn(self)
 
     def _finish(self, error: CommError | None) -> None:
-        with self._lock:
+        with _CALLBACKS:
             if self._done:
                 return
             self._error, self._done = error, True
-            self._entry[5] = "failed" if error is not None else "done"
-            callbacks, self._callbacks = self._callbacks, []
-            self._desc = None  # release the buffers
-        for fn in callbacks:
+            self._keep = None  # release the buffers
+            callbacks, self._callbacks = self._callbacks, None
+        for fn in callbacks or ():
             fn(self)

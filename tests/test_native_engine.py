@@ -57,6 +57,57 @@ def test_async_overlaps_python(cluster):
         assert x0 == 2.0 and y0 == 1.0
 
 
+def _unwaited_async_progresses(world, channels):
+    """Rank 0 posts a small all_reduce and blocks in a receive that rank 1 sends only after
+    its own (blocking) all_reduce: it completes only if rank 0's op progresses without a
+    wait. Then Works never waited for, and a blocking call after them, in posting order."""
+    x = np.full(4, world.rank + 1, np.float32)
+    flag = np.zeros(1, np.int32)
+    if world.rank == 0:
+        work = world.all_reduce(x, async_op=True)
+        world.recv(flag, 1)
+        work.wait()
+    else:
+        world.all_reduce(x)
+        world.send(np.ones(1, np.int32), 0)
+    ys = [np.full(3, i + world.rank, np.float32) for i in range(20)]
+    for y in ys:
+        world.all_reduce(y, async_op=True)   # dropped unwaited
+    z = np.full(2, world.rank, np.float32)
+    world.all_reduce(z)
+    return float(x[0]), [float(y[0]) for y in ys], float(z[0])
+
+
+@pytest.mark.parametrize("channels", ["auto", "tcp"])
+def test_async_progresses_without_a_wait(channels):
+    results = run_ranks(_unwaited_async_progresses, 2, channels, env={"COMM_CHANNELS": channels},
+                        timeout=120)
+    for x0, ys, z0 in results:
+        assert x0 == 3.0 and z0 == 1.0
+        assert ys == [2.0 * i + 1 for i in range(20)]
+
+
+def _wait_timeout(world):
+    """Rank 1 never joins: rank 0's wait, which runs the op on its own thread, ends at the
+    wait's timeout, not the communicator's."""
+    if world.rank == 1:
+        time.sleep(4)
+        return "idle", 0.0
+    work = world.all_reduce(np.ones(4, np.float32), async_op=True)
+    start = time.perf_counter()
+    try:
+        work.wait(timeout=0.5)
+    except comm.CommTimeout:
+        return "CommTimeout", time.perf_counter() - start
+    return "ok", time.perf_counter() - start
+
+
+def test_wait_timeout_bounds_an_op_run_by_the_waiter():
+    results = run_ranks(_wait_timeout, 2, env={"COMM_TIMEOUT": "30"}, timeout=60, expect_errors=True)
+    kind, took = results[0]
+    assert kind == "CommTimeout" and took < 3, results[0]
+
+
 def _latency_loop(world, iters):
     x = np.ones(2, np.float32)
     big = np.ones(1 << 18, np.float32)

@@ -52,13 +52,18 @@ class Transport(abc.ABC):
     # having done nothing, when another thread holds the lock; or LEAN_SKIPPED, having done
     # nothing, when its arguments are not the plain case it checks for itself (the
     # communicator then validates and posts as usual). Its exceptions go through error().
+    # post_array(busy, kind, x, out, op, root) is its asynchronous form: a request (wait(timeout)
+    # and test(), exceptions through error()) instead of LEAN_RAN; the caller holds x and out.
     run_array = None
+    post_array = None
 
     def prepare(self, desc: OpDesc):
         """A persistent form of the validated `desc` (comm.persistent): an object with
         post(desc, blocking) -> Request, and optionally run(busy, timeout_s) (start + wait in
         one call under the `busy` lock as run_array takes it, False when another thread holds
-        it; exceptions through error()), that refuses buffers changed since. None: the
+        it; exceptions through error()) and start(busy) (the non-blocking post under that lock:
+        a request as post_array returns, or None when another thread holds it), that refuses
+        buffers changed since. None: the
         communicator re-checks the buffers and posts desc on each start (the default)."""
         return None
 

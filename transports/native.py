@@ -109,13 +109,14 @@ class NativeRequest(Request):
 
 class NativePrepared:
     """A persistent collective of the engine (Engine.prepare): run(busy, timeout_s) is start +
-    wait in one native call; post() is the non-blocking start."""
+    wait in one native call, start(busy) the non-blocking start (the engine's own Work);
+    post() is the start of the general path."""
 
-    __slots__ = ("run", "_prepared", "_transport")
+    __slots__ = ("run", "start", "_prepared", "_transport")
 
     def __init__(self, prepared, transport: "NativeTransport") -> None:
         self._prepared, self._transport = prepared, transport
-        self.run = prepared.run
+        self.run, self.start = prepared.run, prepared.start
 
     def post(self, desc: OpDesc, blocking: bool) -> Request:
         try:
@@ -160,6 +161,7 @@ class NativeTransport(Transport):
             raise _convert(e, ctx.rank, "init") from None
         # COMM_DEBUG logs each algorithm choice from post(): debugging takes the full path.
         self.run_array = None if self._debug else self._engine.run_array
+        self.post_array = None if self._debug else self._engine.post_array
         self.recent_ops = self._engine.recent_ops
 
     # ---- set-up ------------------------------------------------------------------------------

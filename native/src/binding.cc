@@ -200,43 +200,67 @@ void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
 // another thread holds the communicator (the caller raises its overlap error).
 enum Lean { LEAN_SKIPPED = 0, LEAN_RAN = 1, LEAN_BUSY = 2 };
 
-// The lean path of the common call: all_reduce (in place or into `out`) or broadcast of one
-// plain array, checked here and posted in one native call under the communicator's `busy`
-// lock. LEAN_SKIPPED, having touched nothing, for anything else: the caller then takes the
-// full path, whose checks name the problem.
-int run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
-              nb::handle root_obj, double timeout_s) {
+// The arguments of the lean path's call: all_reduce (in place or into `out`) or broadcast of
+// one plain array; false, having touched nothing, for anything else (the caller then takes
+// the full path, whose checks name the problem).
+bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj, nb::handle root_obj,
+               OpArgs* args) {
   const auto k = static_cast<OpKind>(kind);
-  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return LEAN_SKIPPED;
+  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return false;
   if (!PyLong_Check(op_obj.ptr()) || (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())))
-    return LEAN_SKIPPED;
+    return false;
   const long op = PyLong_AsLong(op_obj.ptr());
   const long root = root_obj.is_none() ? 0 : PyLong_AsLong(root_obj.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
-    return LEAN_SKIPPED;
+    return false;
   }
   const bool in_place = out.is_none();
   Array send, recv;
-  if (!plain_array(x.ptr(), in_place, &send)) return LEAN_SKIPPED;
+  if (!plain_array(x.ptr(), in_place, &send)) return false;
   recv = send;
   if (!in_place && (!plain_array(out.ptr(), true, &recv) || recv.dtype != send.dtype || recv.bytes != send.bytes))
-    return LEAN_SKIPPED;
-  OpArgs args{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
-              send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
+    return false;
+  *args = OpArgs{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
+                 send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
   if (k == OpKind::ALL_REDUCE) {
     if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
         !g_reducible[op][static_cast<size_t>(send.dtype)])
-      return LEAN_SKIPPED;
-    args.op = static_cast<ReduceOp>(op);
+      return false;
+    args->op = static_cast<ReduceOp>(op);
   } else {
-    if (!in_place || root < 0 || root >= e.size()) return LEAN_SKIPPED;
-    args.root = static_cast<int>(root);
+    if (!in_place || root < 0 || root >= e.size()) return false;
+    args->root = static_cast<int>(root);
   }
+  return true;
+}
+
+// The lean path of the common call, posted in one native call under the communicator's
+// `busy` lock: LEAN_RAN, LEAN_BUSY or LEAN_SKIPPED (see lean_args).
+int run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
+              nb::handle root_obj, double timeout_s) {
+  OpArgs args;
+  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return LEAN_SKIPPED;
   Busy held(busy);
   if (!held.held()) return LEAN_BUSY;
   post_and_wait(e, std::move(args), timeout_s);
   return LEAN_RAN;
+}
+
+// The lean path's asynchronous form: the posted Work, or LEAN_BUSY / LEAN_SKIPPED. The
+// caller holds x and out until the Work ends.
+nb::object post_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
+                      nb::handle root_obj) {
+  OpArgs args;
+  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
+  Busy held(busy);
+  if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
+  std::shared_ptr<Op> op;
+  {
+    nb::gil_scoped_release unlocked;
+    op = e.post(std::move(args), false);
+  }
+  return nb::cast(std::move(op));
 }
 
 // One buffer of a persistent collective, as registered at set-up.
@@ -297,6 +321,13 @@ struct Prepared {
     check();
     nb::gil_scoped_release unlocked;
     return engine->post(args, blocking);
+  }
+  // The non-blocking start under the communicator's `busy` lock: the Work, or None (nothing
+  // done) when another thread holds it.
+  std::shared_ptr<Op> start(nb::handle busy) {
+    Busy held(busy);
+    if (!held.held()) return nullptr;
+    return post(false);
   }
 };
 
@@ -428,6 +459,9 @@ NB_MODULE(_native, m) {
       .def("run", &Prepared::run, nb::arg("busy"), nb::arg("timeout_s"),
            "Under the lock `busy` (False, having done nothing, when another thread holds it):\n"
            "check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
+      .def("start", &Prepared::start, nb::arg("busy"),
+           "Under the lock `busy`: check the buffers and post without waiting; the Work, or None\n"
+           "(nothing done) when another thread holds the lock.")
       .def("post", &Prepared::post, nb::arg("blocking"),
            "Check the buffers and post; returns a Work, or None when it already ran.");
 
@@ -503,6 +537,9 @@ NB_MODULE(_native, m) {
            "The lean path, under the lock `busy`: LEAN_RAN when it ran the collective, LEAN_BUSY\n"
            "when another thread holds the lock, LEAN_SKIPPED when the arguments are not plain\n"
            "numpy arrays or CPU tensors with a built-in op (take the full path).")
+      .def("post_array", &post_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
+           nb::arg("op").none(), nb::arg("root").none(),
+           "run_array's asynchronous form: the posted Work, or LEAN_BUSY / LEAN_SKIPPED.")
       .def(
           "prepare",
           [](nb::handle self, int kind, int dtype, int op, double scale, uintptr_t send,
