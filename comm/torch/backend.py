@@ -215,8 +215,10 @@ class ProcessGroupComm(dist.ProcessGroup):
             work._complete(comm_works, timeout)
             if work._error is not None:
                 raise work._error
-        else:
+        elif copies or self._coalesced is not None:   # the copies must happen even if nobody waits
             self._completers[device.type].submit(work, comm_works)
+        else:
+            work._defer(comm_works, self._completers[device.type])
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work

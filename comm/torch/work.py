@@ -3,9 +3,12 @@
 A blocking call (torch's ``async_op=False``) runs on the caller's thread through the
 communicator's blocking path and returns a ``DoneWork``, complete and successful from the start
 (cheap to make: on small operations the Work is a visible part of the latency). An asynchronous one
-is handed to the communicator's completion thread, which waits on the operations in posting
+is completed by the communicator's completion thread, which waits on the operations in posting
 order and resolves the Work's future without anyone calling wait(): DDP's communication hooks
-build on that. The future is resolved before the Work counts as done, so ``then`` callbacks
+build on that. One with nothing to do after its operations (no staged copies) reaches that
+thread only once its future is asked for: until then wait() completes it on the caller's
+thread (the communicator's wait runs the operation there; no thread hand-off), and
+is_completed() once its operations have ended (the engine progresses them meanwhile). The future is resolved before the Work counts as done, so ``then`` callbacks
 have run when wait() returns (as with gloo), and a process that exits right after wait()
 never leaves a callback running on a thread the interpreter is tearing down.
 
@@ -89,6 +92,19 @@ class TorchWork(dist.distributed_c10d.Work):
         self._finished = False              # the outcome is known (the future may still run callbacks)
         self._completer: int | None = None   # the thread resolving the future right now
         self._error: BaseException | None = None
+        # (comm works, Completer) not yet handed to the completion thread (see _defer)
+        self._pending: tuple | None = None
+
+    def _defer(self, comm_works, completer: "Completer") -> None:
+        """Leave the comm works to whoever comes first: wait() or is_completed() on the caller's
+        thread, or the completion thread once get_future() is called."""
+        self._pending = (comm_works, completer)
+
+    def _take(self):
+        """The deferred comm works, now this caller's to complete; None if someone took them."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        return pending
 
     def _stream_ordered(self, comm_works) -> bool:
         """True when every operation completes on a CUDA stream (nccl) and nothing is copied
@@ -144,6 +160,8 @@ class TorchWork(dist.distributed_c10d.Work):
         return self._host_wait(timeout)
 
     def _host_wait(self, timeout=None) -> bool:
+        if self._pending is not None and (pending := self._take()) is not None:
+            self._complete(pending[0], seconds(timeout))
         if not self.is_completed() and self._completer != threading.get_ident():
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
@@ -156,6 +174,10 @@ class TorchWork(dist.distributed_c10d.Work):
         return True
 
     def is_completed(self) -> bool:
+        pending = self._pending
+        if pending is not None and all(w is None or w.is_completed() for w in pending[0]):
+            if (pending := self._take()) is not None:
+                self._complete(pending[0], None)   # ended: nothing blocks
         return self._done.is_set()
 
     def is_success(self) -> bool:
@@ -185,7 +207,13 @@ class TorchWork(dist.distributed_c10d.Work):
                                 else torch.futures.Future())
                 if self._finished:
                     self._resolve(self._future)
-            return self._future
+            future, pending, self._pending = self._future, self._pending, None
+        if pending is not None:   # its consumer may never call wait(): the thread completes it
+            if self._pg._closed:   # the thread is gone; the operations ended with the group
+                self._complete(pending[0], None)
+            else:
+                pending[1].submit(self, pending[0])
+        return future
 
     def synchronize(self) -> None:
         """Block the host until the work is done (on CUDA too)."""
@@ -198,7 +226,7 @@ class DoneWork(TorchWork):
     no lock of its own), and its waits return at once."""
 
     _copies, _source, _device, _streamed, _future = (), -1, None, None, None
-    _finished, _completer, _error = True, None, None
+    _finished, _completer, _error, _pending = True, None, None, None
     _lock = threading.Lock()   # shared: only get_future() takes it, briefly
 
     def __init__(self, pg, op: str, result: list):
