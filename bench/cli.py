@@ -14,7 +14,7 @@ from transports import base
 from . import cluster, report
 from .benchmarks import Params, load_all
 from .launch import Control, StepFailed, find_mpirun, launch_on_hosts, launched, placement, self_launch
-from .measure import Options, run_row, sweep_sizes
+from .measure import Options, run_row, sweep_sizes, warm_up
 from .runners import ANCHORS, NAMES, make_runner
 
 DTYPES = {"int8": DType.INT8, "char": DType.INT8, "uint8": DType.UINT8, "int16": DType.INT16,
@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--persistent", action="store_true",
                    help="time this library's persistent form (all_reduce_init ...: set up once, run each "
                         "iteration) instead of the one-shot calls")
+    p.add_argument("--async", dest="async_op", action="store_true",
+                   help="time every library's asynchronous form waited for at once: async_op=True then "
+                        "wait() (mpi-raw: MPI_Iallreduce ... then MPI_Wait); with --persistent, "
+                        "h.start(); h.wait()")
     return p
 
 
@@ -248,7 +252,7 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
             pr.line(f"# Run {run + 1} of {args.runs}")
         if any(s["name"] == name and s["status"] != "ok" for s in status):
             continue
-        runner = make_runner(name, args.persistent)
+        runner = make_runner(name, args.persistent, args.async_op)
         reasons = ctl.gather(runner.unavailable(world.launcher))
         reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
                        for r, x in enumerate(reasons) if x), None)
@@ -330,7 +334,7 @@ def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run: int) 
             continue
         pr.line(f"# Collective test: {bench.name}")
         pr.line(report.header())
-        mine = []
+        mine, warm = [], not bench.sweeps   # warm up once per benchmark, before its first size
         for dtype in (dtypes if bench.sweeps else dtypes[:1]):
             for op in _ops(args, bench, dtype):
                 p = Params(0, dtype, op, args.root, world.rank, world.size)
@@ -340,8 +344,15 @@ def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run: int) 
                             f"not run: {why[0]}")
                     continue
                 for count, size in sweep_sizes(bench, opts, dtype, world.size):
-                    pr.progress(f"{name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)} {size} B")
                     p.count = count
+                    if not warm:
+                        pr.progress(f"{name} {bench.name}: warming up")
+                        try:
+                            warm_up(bench, runner, ctl, opts, p)
+                        except StepFailed as e:
+                            raise StepFailed(f"{bench.name} warm-up: {e}") from None
+                        warm = True
+                    pr.progress(f"{name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)} {size} B")
                     try:
                         row = run_row(bench, runner, ctl, opts, p, size, name)
                     except StepFailed as e:

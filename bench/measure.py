@@ -147,6 +147,22 @@ def run_row(bench: Benchmark, runner: Runner, ctl: Control, opts: Options, p: Pa
                p.root if bench.rooted else -1, nbytes, p.count, modes)
 
 
+def warm_up(bench: Benchmark, runner: Runner, ctl: Control, opts: Options, p: Params) -> None:
+    """Run the sweep's first case untimed, as long as a row is timed (about --time-budget), so
+    its first sizes measure the library rather than its warm-up (lazily made threads and
+    buffers, pages touched the first time, a core's clock ramping up: the first rows once took
+    60x the next). Collective: every rank runs the same calls."""
+    try:
+        for mode in bench.modes:
+            if not bench.unsupported(runner, p, mode == "in-place"):
+                time_case(bench.case(runner, p, mode == "in-place").run, runner, ctl, opts)
+                return
+    except StepFailed:
+        raise
+    except Exception as e:   # every rank learns it at its next gather
+        ctl.fail(e)
+
+
 def sweep_sizes(bench: Benchmark, opts: Options, dtype: DType, n: int) -> list[tuple[int, int]]:
     """[(count, size in bytes)] of the sweep, without repeats and without empty rows."""
     if not bench.sweeps:

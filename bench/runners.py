@@ -157,14 +157,41 @@ class CommRunner(Runner):
         self.world.barrier()
 
 
+class AsyncCommRunner(CommRunner):
+    """--async: each operation is posted with async_op=True and waited for at once (what DDP's
+    buckets and a decode step's early all-reduce cost when there is nothing to overlap)."""
+
+    def all_reduce(self, send, recv, op, scale, in_place):
+        self.world.all_reduce(send, op, out=None if in_place else recv, scale=scale, async_op=True).wait()
+
+    def reduce_scatter(self, send, recv, op, scale):
+        self.world.reduce_scatter(recv, send, op, scale=scale, async_op=True).wait()
+
+    def all_gather(self, send, recv, in_place):
+        self.world.all_gather(recv, send, async_op=True).wait()
+
+    def broadcast(self, buf, root):
+        self.world.broadcast(buf, root, async_op=True).wait()
+
+    def reduce(self, send, recv, root, op, scale, in_place):
+        self.world.reduce(send, root, op, out=None if in_place else recv, scale=scale, async_op=True).wait()
+
+    def all_to_all(self, send, recv, send_counts, recv_counts):
+        self.world.all_to_all(recv, send, recv_counts, send_counts, async_op=True).wait()
+
+    def barrier(self):
+        self.world.barrier(async_op=True).wait()
+
+
 class PersistentCommRunner(CommRunner):
     """This library's persistent collectives (--persistent): binding a case sets its handle up
     (with the case's buffers), and the timed call is the handle itself. Operations without a
     persistent form run as one-shot calls."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, async_op: bool = False):
         super().__init__(name)
         self._h = None
+        self._async = async_op   # time h.start(); h.wait() instead of h()
 
     def bind(self, op: str, *args):
         init = getattr(self, f"_{op}_init", None)
@@ -172,8 +199,15 @@ class PersistentCommRunner(CommRunner):
             return super().bind(op, *args)
         if self._h is not None:   # one case at a time: the previous case is over
             self._h.close()
-        self._h = init(*args)
-        return self._h
+        h = self._h = init(*args)
+        if not self._async:
+            return h
+        start, wait = h.start, h.wait
+
+        def start_wait():
+            start()
+            wait()
+        return start_wait
 
     def teardown(self):
         if self._h is not None:
@@ -209,9 +243,10 @@ class TorchRunner(Runner):
 
     _OPS = ("SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")   # what gloo reduces with
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, async_op: bool = False):
         self.name, self.backend = name, TORCH_BACKENDS[name]
         self.kind = "anchor" if name in ANCHORS else "torch"
+        self.async_op = async_op   # --async: every call async_op=True, then wait()
 
     def unavailable(self, launcher):
         try:
@@ -264,22 +299,23 @@ class TorchRunner(Runner):
         return _torch_view(arr, dtype)
 
     def all_reduce(self, send, recv, op, scale, in_place):
-        self.dist.all_reduce(recv, self.ops[op])
+        _done(self.dist.all_reduce(recv, self.ops[op], async_op=self.async_op))
 
     def reduce_scatter(self, send, recv, op, scale):
-        self._scatter(recv, send, self.ops[op])
+        _done(self._scatter(recv, send, self.ops[op], async_op=self.async_op))
 
     def all_gather(self, send, recv, in_place):
-        self._gather(recv, send)
+        _done(self._gather(recv, send, async_op=self.async_op))
 
     def broadcast(self, buf, root):
-        self.dist.broadcast(buf, root)
+        _done(self.dist.broadcast(buf, root, async_op=self.async_op))
 
     def reduce(self, send, recv, root, op, scale, in_place):
-        self.dist.reduce(send, root, self.ops[op])
+        _done(self.dist.reduce(send, root, self.ops[op], async_op=self.async_op))
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
-        self.dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts))
+        _done(self.dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts),
+                                          async_op=self.async_op))
 
     def sendrecv(self, send, recv, dst, src):
         s = self.dist.isend(send, dst)
@@ -288,13 +324,26 @@ class TorchRunner(Runner):
         r.wait()
 
     def barrier(self):
-        self.dist.barrier()
+        _done(self.dist.barrier(async_op=self.async_op))
+
+
+def _done(work) -> None:
+    """Wait for an async call's Work (None from a blocking call)."""
+    if work is not None:
+        work.wait()
 
 
 class MpiRawRunner(Runner):
     """Anchor: the MPI library itself through plain mpi4py buffer calls on a dup of COMM_WORLD."""
 
     name, kind = "mpi-raw", "anchor"
+
+    def __init__(self, async_op: bool = False):
+        self.async_op = async_op
+
+    def bind(self, op, *args):
+        fn = getattr(self, f"_async_{op}", None) if self.async_op else None   # sendrecv has none
+        return functools.partial(fn or getattr(self, op), *args)
     _REDUCIBLE = (DType.FLOAT32, DType.FLOAT64, DType.INT8, DType.INT16, DType.INT32, DType.INT64,
                   DType.UINT8)
 
@@ -322,6 +371,30 @@ class MpiRawRunner(Runner):
 
     def teardown(self):
         self.c.Free()
+
+    # --async: the nonblocking calls (MPI_Iallreduce ...), waited for at once.
+    def _async_all_reduce(self, send, recv, op, scale, in_place):
+        self.c.Iallreduce(self.MPI.IN_PLACE if in_place else send, recv, self.ops[op]).Wait()
+
+    def _async_reduce_scatter(self, send, recv, op, scale):
+        self.c.Ireduce_scatter_block(send, recv, self.ops[op]).Wait()
+
+    def _async_all_gather(self, send, recv, in_place):
+        self.c.Iallgather(self.MPI.IN_PLACE if in_place else send, recv).Wait()
+
+    def _async_broadcast(self, buf, root):
+        self.c.Ibcast(buf, root).Wait()
+
+    def _async_reduce(self, send, recv, root, op, scale, in_place):
+        at_root = self.rank == root
+        self.c.Ireduce(self.MPI.IN_PLACE if in_place and at_root else send, recv if at_root else None,
+                       self.ops[op], root).Wait()
+
+    def _async_all_to_all(self, send, recv, send_counts, recv_counts):
+        self.c.Ialltoallv([send, _displaced(send_counts)], [recv, _displaced(recv_counts)]).Wait()
+
+    def _async_barrier(self):
+        self.c.Ibarrier().Wait()
 
     def supports(self, bench, dtype, op, in_place):
         if op is not None:
@@ -374,9 +447,13 @@ def _displaced(counts) -> tuple[list[int], list[int]]:
     return list(counts), displs
 
 
-def make_runner(name: str, persistent: bool = False) -> Runner:
+def make_runner(name: str, persistent: bool = False, async_op: bool = False) -> Runner:
+    """async_op (--async): every library's asynchronous form, waited for at once; with
+    persistent, this library's h.start(); h.wait()."""
     if name in TORCH_BACKENDS:
-        return TorchRunner(name)
+        return TorchRunner(name, async_op)
     if name == "mpi-raw":
-        return MpiRawRunner()
-    return PersistentCommRunner(name) if persistent else CommRunner(name)
+        return MpiRawRunner(async_op)
+    if persistent:
+        return PersistentCommRunner(name, async_op)
+    return AsyncCommRunner(name) if async_op else CommRunner(name)

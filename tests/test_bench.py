@@ -33,13 +33,15 @@ def test_every_flag_parses():
     a = cli.parse_args(["all_reduce", "all_gather", "-b", "8", "-e", "64M", "-i", "4K", "-f", "2",
                         "-n", "7", "-w", "3", "-c", "0", "-d", "half", "-o", "max", "-r", "1", "-a", "3",
                         "-T", "12.5", "--transport", "native, mpi-raw,gloo", "--json", "x.json",
-                        *([] if NO_PLOT else ["--plot", "x.png"]), "--np", "4", "--no-mpirun", "--time-budget", "0.5"])
+                        *([] if NO_PLOT else ["--plot", "x.png"]), "--np", "4", "--no-mpirun", "--time-budget", "0.5",
+                        "--async"])
     assert a.benchmarks == ["all_reduce", "all_gather"]
     assert (a.minbytes, a.maxbytes, a.stepbytes, a.stepfactor) == (8, 64 << 20, 4096, 2)
     assert (a.iters, a.warmup_iters, a.check, a.root, a.average, a.timeout) == (7, 3, 0, 1, 3, 12.5)
     assert a.datatype is DType.FLOAT16 and a.op is ReduceOp.MAX
     assert a.transports == ["native", "mpi-raw", "gloo"]
     assert (a.json, a.plot, a.np, a.no_mpirun, a.time_budget) == ("x.json", None if NO_PLOT else "x.png", 4, True, 0.5)
+    assert a.async_op and not cli.parse_args([]).async_op
     d = cli.parse_args(["-d", "all", "-o", "all", "-a", "min"])
     assert (d.datatype, d.op, d.average, d.benchmarks) == ("all", "all", 2, [])
     assert (d.iters, d.warmup_iters, d.check, d.minbytes) == (20, 5, 1, 32 << 20)   # nccl-tests' defaults
@@ -403,6 +405,18 @@ def test_self_launch_under_mpirun_runs_mpi_raw():
                      "--transport", "native,mpi-raw", *QUICK])
     _check_tables(out, ["native", "mpi-raw"])
     assert "launcher openmpi" in out and "native/mpi-raw" in out
+
+
+@pytest.mark.skipif(NO_MPI_RAW is not None or not HAVE_TORCH, reason=f"mpi-raw: {NO_MPI_RAW}, or no torch")
+@pytest.mark.parametrize("persistent", [False, True])
+def test_async_forms_are_timed_and_checked(persistent):
+    """--async: every library's nonblocking call waited for at once (checked like the blocking
+    ones); with --persistent, this library's h.start(); h.wait()."""
+    out, _ = _bench([PY, "-m", "bench", "--np", "2", "all_reduce", "broadcast", "-b", "8", "-e", "64K",
+                     "-f", "8", "--transport", "native,mpi-raw,torch-comm,gloo", "--async",
+                     *(["--persistent"] if persistent else []), *QUICK])
+    _check_tables(out, ["native", "mpi-raw", "torch-comm", "gloo"])
+    assert "native/mpi-raw" in out
 
 
 @pytest.mark.skipif(NO_MPI_RAW is not None, reason=f"mpi-raw: {NO_MPI_RAW}")
