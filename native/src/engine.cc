@@ -214,6 +214,7 @@ void Engine::progress_loop() {
   }
   for (auto& op : queue_) op->finish(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
   queue_.clear();
+  idle_cv_.notify_all();  // their waiters
 }
 
 OpArgs Engine::prepare(OpArgs args) {
