@@ -25,7 +25,7 @@ import socket
 import threading
 import zlib
 
-from . import auth, log
+from . import auth, log, rendezvous
 from .errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
 from .store import Store, StoreLost, StoreServer
 
@@ -45,9 +45,10 @@ class Membership:
         self._server: StoreServer | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        addr = bind_addr or store.local_address()
+        self._listener = rendezvous.listen_socket(addr)   # the store's family: IPv4 or IPv6
         try:
-            self._listener.bind((bind_addr or store.local_address(), 0))
+            self._listener.bind((addr, 0))
             self._listener.listen(128)
         except OSError:
             self._listener.close()

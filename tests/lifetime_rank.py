@@ -105,8 +105,8 @@ def fork(world) -> None:
 
 def threads(world) -> None:
     """Two threads run 300 same-signature all_reduces each on one communicator (one-shot, or
-    with MODE=persistent each thread's own persistent handle). Thread t's input is t + 1 on
-    every rank, so any other sum means the threads' calls were mixed up."""
+    with MODE=persistent each thread's own persistent handle); rank 1 starts late. Thread t's
+    input is t + 1 on every rank, so any other sum means the threads' calls were mixed up."""
     results = {}
     start = threading.Barrier(2)
     persistent = os.environ.get("MODE") == "persistent"
@@ -117,6 +117,10 @@ def threads(world) -> None:
         x = np.empty(4, np.float32)
         run = world.all_reduce_init(x) if persistent else lambda: world.all_reduce(x)
         start.wait()
+        if world.rank == 1:
+            # rank 0's first call then waits for rank 1 while rank 0's other thread arrives: the
+            # overlap happens for sure, however the threads are scheduled on a loaded machine
+            time.sleep(0.5)
         for _ in range(300):
             x[:] = t + 1
             try:

@@ -182,7 +182,7 @@ def test_rank_0_reports_missing_ranks_while_it_waits():
     ("COMM_TRANSPORT", "nccl2", "one of native, mpi"),
     ("COMM_DEBUG", "yes", "0 or 1"),
     ("COMM_MPI_BOUNDED", "2", "0 or 1"),
-    ("COMM_BIND_ADDR", "eth0", "an IPv4 address"),
+    ("COMM_BIND_ADDR", "eth0", "an IPv4 or IPv6 address"),
     ("COMM_VERBS_GID_INDEX", "x", "an integer >= -1"),
     ("COMM_REPORT_INTERVAL", "soon", "a number of seconds >= 0"),
 ])

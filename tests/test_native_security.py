@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
-from comm import auth
+from comm import auth, rendezvous
 from comm.store import Store
 from harness import free_port
 from transports import base
@@ -62,6 +62,17 @@ def _stranger(addr: str, port: int, payload: bytes, secret: bytes | None) -> Non
         pass                                     # being dropped is the expected outcome
 
 
+def _listener_of_rank0(spy: Store) -> dict:
+    """Rank 0's published data listener, read the way an insider of the store would, before
+    rank 1 exists: the spy posts rank 1's host id, so rank 0 gets past the topology gather
+    and publishes its listener (rank 1 posts the same id again when it arrives)."""
+    spy.set("world/topology/1", rendezvous.host_id().encode())
+    try:
+        return json.loads(spy.get("world/native/info/0"))
+    finally:
+        spy.close()
+
+
 def _rank(rank: int, port: int, results: dict) -> None:
     try:
         with comm.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=port,
@@ -84,8 +95,7 @@ def test_strangers_on_the_data_listener(monkeypatch, payload, wrong_secret):
     rank0.start()
     # read rank 0's published listener the way an insider of the store would
     spy = Store("127.0.0.1", port, rank=1, size=2, timeout=20, secret=b"the-real-secret")
-    info = json.loads(spy.get("world/native/info/0"))
-    spy.close()
+    info = _listener_of_rank0(spy)
     # rank 0 accepts only once rank 1 has arrived, so the strangers queue up ahead of rank 1
     strangers = [threading.Thread(target=_stranger, args=(info["addr"], info["port"], payload,
                                                           b"wrong" if wrong_secret else None))
@@ -130,8 +140,7 @@ def test_lingering_strangers_do_not_stall_setup(monkeypatch, secret):
     rank0.start()
     spy = Store("127.0.0.1", port, rank=1, size=2, timeout=20,
                 secret=secret.encode() if secret else None)
-    info = json.loads(spy.get("world/native/info/0"))
-    spy.close()
+    info = _listener_of_rank0(spy)
     strangers = [threading.Thread(target=_lingering_stranger,
                                   args=(info["addr"], info["port"], kind, 60, stop))
                  for kind in ("idle", "idle", "garbage", "slow", "idle")]

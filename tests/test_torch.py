@@ -177,8 +177,11 @@ def _errors(rank, size, port):
     with process_group(rank, size, port):
         with pytest.raises(comm.CommError, match="does not support meta tensors"):
             dist.all_reduce(torch.empty(2, device="meta"))
-        with pytest.raises(comm.CommError, match="one size"):
-            dist.all_gather([torch.empty(2), torch.empty(3)], torch.empty(2))
+        # other ranks' outputs may differ in size (uneven all_gather), this rank's must fit its input
+        with pytest.raises(comm.CommError, match="the input's 3 elements; got 2 outputs, this rank's of 2"):
+            dist.all_gather([torch.empty(2), torch.empty(2)], torch.empty(3))
+        with pytest.raises(comm.CommError, match="expected 2 outputs"):
+            dist.all_gather([torch.empty(2)], torch.empty(2))
         # the timeout torch gives a group bounds its operations: a rank that stays away fails the other
         quick = dist.new_group(timeout=datetime.timedelta(seconds=2))
         start = time.monotonic()

@@ -315,8 +315,10 @@ class ProcessGroupComm(dist.ProcessGroup):
         t = self._one("all_gather", tensor_list(inputs))
         parts = self._one("all_gather", outputs, "list of output lists")
         if len(parts) != self.size() or parts[self.rank()].numel() != t.numel():
-            raise self._error("all_gather", f"expected {self.size()} outputs, this rank's of {t.numel()} "
-                                            "elements (the input's)")
+            got = parts[self.rank()].numel() if len(parts) > self.rank() else "none"
+            raise self._error("all_gather", f"expected {self.size()} outputs, this rank's ({self.rank()}) "
+                                            f"of the input's {t.numel()} elements; got {len(parts)} "
+                                            f"outputs, this rank's of {got} elements")
         src, copies = as_input(t), []
         counts = [real(p).numel() for p in parts]   # ranks may contribute tensors of other sizes
         flat = src.new_empty(sum(counts))

@@ -246,6 +246,22 @@ void Comm::check_alive(const Deadline& dl) {
              " s (COMM_TIMEOUT): a peer is hung, slow, or did not call this operation");
 }
 
+CommError Comm::explain(const CommError& e) {
+  if (e.peer < 0 || (e.code != ErrorCode::TIMEOUT && e.code != ErrorCode::PEER_FAILURE)) return e;
+  // A data connection can break a little before the dead peer's monitor hangs up.
+  const auto until = Clock::now() + std::chrono::milliseconds(250);
+  const Deadline never;
+  do {
+    try {
+      check_alive(never);
+    } catch (const CommError& said) {
+      return said;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  } while (Clock::now() < until);
+  return e;
+}
+
 std::vector<int> Comm::dead_peers() {
   std::vector<int> dead;
   std::lock_guard<std::mutex> lock(alive_mu_);

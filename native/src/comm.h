@@ -158,6 +158,10 @@ class Comm {
   // Throws PEER_FAILURE / ABORTED / TIMEOUT (past `dl`) when waiting is pointless.
   void check_alive(const Deadline& dl);
   void check_alive() { check_alive(deadline); }
+  // A channel's failure naming a peer (a UCX endpoint timeout, a reset connection) may be a
+  // symptom of what the monitors say plainly: a peer died, aborted or revoked. Their word,
+  // given within a short grace, replaces `e`; otherwise `e` stands.
+  CommError explain(const CommError& e);
   // A shared-memory peer that said goodbye has written all it ever will: a transfer to or
   // from it that cannot move now never will. Throws PEER_FAILURE naming it (instead of
   // waiting out the timeout) when stuck() says so. Cheap until some peer said goodbye.

@@ -258,7 +258,8 @@ void Engine::execute(Op& op, Clock::time_point end) {
       comm_.deadline.at = std::min(end, now + std::chrono::duration_cast<Clock::duration>(
                                               std::chrono::duration<double>(comm_.opt.timeout_s)));
       run_collective(op.args, seq);
-    } catch (const CommError& e) {
+    } catch (const CommError& raw) {
+      const CommError e = comm_.explain(raw);
       error = e;
       comm_.relay_failure(e);
       // The streams are now in an unknown state: the communicator cannot be trusted again.
