@@ -207,12 +207,17 @@ class NcclTransport(Transport):
         self._splits = 0
         _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
         self._scratch = _cuda_check(_cudart.cudaMalloc(4), "cudaMalloc")  # barrier's all-reduce
-        # the internal stream, as the integer handle nccl4py's calls take
-        self._stream = int(_cuda_check(_cudart.cudaStreamCreateWithFlags(_cudart.cudaStreamNonBlocking),
-                                       "cudaStreamCreate"))
+        # The internal stream, as the integer handle nccl4py's calls take. With torch loaded it
+        # is one of torch's pooled streams: tensors used on it are record_stream()ed, and torch's
+        # allocator records events on that stream whenever such a tensor is freed, which may be
+        # after close(); a stream of torch's pool is never destroyed, one of ours would be.
+        torch = sys.modules.get("torch")
+        self._torch_stream = torch.cuda.Stream(device=device) if torch is not None else None
+        self._stream = (self._torch_stream.cuda_stream if self._torch_stream is not None else
+                        int(_cuda_check(_cudart.cudaStreamCreateWithFlags(_cudart.cudaStreamNonBlocking),
+                                        "cudaStreamCreate")))
         self._ready = _cuda_check(_cudart.cudaEventCreateWithFlags(_cudart.cudaEventDisableTiming),
                                   "cudaEventCreate")   # "the caller's stream got here", reused
-        self._torch_stream = None
 
     @classmethod
     def create(cls, ctx: BootstrapContext) -> "NcclTransport":
@@ -343,7 +348,8 @@ class NcclTransport(Transport):
             return
         for buf in bufs:
             if buf is not None and isinstance(buf.obj, torch.Tensor):
-                if self._torch_stream is None:
+                if self._torch_stream is None:   # torch loaded after this communicator: the
+                    # stream is ours, and now outlives close() (see __init__)
                     self._torch_stream = torch.cuda.ExternalStream(self._stream, device=f"cuda:{self._device}")
                 buf.obj.record_stream(self._torch_stream)
 
@@ -444,7 +450,8 @@ class NcclTransport(Transport):
     def _free(self) -> None:
         _cudart.cudaFree(self._scratch)
         _cudart.cudaEventDestroy(self._ready)
-        _cudart.cudaStreamDestroy(self._stream)
+        if self._torch_stream is None:   # never shown to torch's allocator
+            _cudart.cudaStreamDestroy(self._stream)
 
     def close(self) -> None:
         if self._closed:

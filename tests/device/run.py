@@ -14,14 +14,17 @@ Sections (each check prints PASS, FAIL or NOT RUN with the reason; a summary end
    tensors staged as on every host-memory transport) when an RDMA port is active.
 
 Exit status: 0 when every check that ran passed, 1 on any failure, 2 when nothing could run.
-A watchdog prints every thread's stack and the summary if the budget (DEVICE_CHECK_BUDGET
-seconds, default 200) runs out, so a hang still reports.
+Each section runs in a process of its own (a library's crash fails that section, with the
+Python stack faulthandler prints, and the others still run). A watchdog prints every thread's
+stack and the summary if the budget (DEVICE_CHECK_BUDGET seconds, default 200) runs out, so a
+hang still reports.
 """
 from __future__ import annotations
 
 import faulthandler
 import importlib
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +35,8 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 sys.path[:0] = [os.path.dirname(TESTS), TESTS]
+# rank processes unpickle functions of tests/device/ranks.py: they need this folder too
+os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
 
 import comm  # noqa: E402
 from comm.types import DType, ReduceOp, op_allowed  # noqa: E402
@@ -82,7 +87,7 @@ def _watchdog() -> None:
     print(f"\nFAIL budget of {BUDGET:g} s exhausted while running: {name}; every thread's stack:", flush=True)
     faulthandler.dump_traceback(all_threads=True)
     RESULTS.append(("FAIL", name, f"still running after the {BUDGET:g} s budget (hang)"))
-    summary()
+    print("RESULTS " + json.dumps(RESULTS), flush=True)
     os._exit(1)
 
 
@@ -432,18 +437,60 @@ def section_verbs() -> None:
           lambda: run_ranks(_ring_exchange, 2, "cuda", transport="verbs", timeout=120))
 
 
-def main() -> int:
+SECTIONS = (section_nccl, section_torch_backend, section_comm_staged, section_array_inputs, section_verbs)
+
+
+def run_section(name: str) -> int:
+    """In a child process: one section, its results as a JSON line for the parent."""
     threading.Thread(target=_watchdog, name="device-check-watchdog", daemon=True).start()
+    section = next(s for s in SECTIONS if s.__name__ == name)
+    try:
+        section()
+    except Exception as e:
+        RESULTS.append(("FAIL", name, f"{type(e).__name__}: {e}"))
+        print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+    print("RESULTS " + json.dumps(RESULTS), flush=True)
+    return 0
+
+
+def main() -> int:
+    """Each section in a process of its own: a crash (a segfault in a library) or a hang in
+    one is reported with the Python stack faulthandler prints, and the others still run."""
     header()
-    for section in (section_nccl, section_torch_backend, section_comm_staged, section_array_inputs, section_verbs):
-        try:
-            section()
-        except Exception as e:
-            RESULTS.append(("FAIL", section.__name__, f"{type(e).__name__}: {e}"))
-            print(f"FAIL {section.__name__}: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
+    end = time.monotonic() + BUDGET
+    for section in SECTIONS:
+        left = end - time.monotonic()
+        if left < 10:
+            not_run(section.__name__, f"the {BUDGET:g} s budget ran out")
+            continue
+        env = dict(os.environ, DEVICE_CHECK_BUDGET=str(int(left)))
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", __file__, "--section", section.__name__],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        # a hang that holds the GIL stops the child's watchdog too: the parent's last resort
+        killer = threading.Timer(left + 15, proc.kill)
+        killer.start()
+        got, last = None, "none"
+        for line in proc.stdout:
+            if line.startswith("RESULTS "):
+                got = json.loads(line[len("RESULTS "):])
+                continue
+            print(line, end="", flush=True)
+            if line.startswith(("PASS ", "FAIL ", "NOT RUN ")):
+                last = line.strip()
+        code = proc.wait()
+        killer.cancel()
+        if got is not None:
+            RESULTS.extend(tuple(r) for r in got)
+        if code != 0 or got is None:
+            why = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            RESULTS.append(("FAIL", section.__name__, f"the section's process ended early ({why}); "
+                                                       f"its last result: {last}"))
+            print(f"FAIL {section.__name__}: {why}", flush=True)
     return summary()
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--section"]:
+        sys.exit(run_section(sys.argv[2]))
     sys.exit(main())
