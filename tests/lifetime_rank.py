@@ -92,7 +92,12 @@ def fork(world) -> None:
     world.barrier()
     if RANK == 0:
         if os.fork() == 0:
-            time.sleep(20)  # holds every inherited descriptor while the parent is gone
+            # holds every inherited descriptor of the communicator while the parent is gone;
+            # not the output pipes, which the test reads to their end
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+            time.sleep(20)
             os._exit(0)
         report(died_at=time.time())
         os.kill(os.getpid(), signal.SIGKILL)
