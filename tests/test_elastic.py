@@ -373,3 +373,65 @@ def test_ddp_on_the_torch_group_of_a_shrunk_communicator():
         ranks, (weight, bias) = value
         # the input is 2 rows of (rank + 1): DDP averages 2 * 1 and 2 * 2 over the two survivors
         assert ranks == (0, 2) and weight == [[3.0] * 4] and bias == [2.0], value
+
+
+def fsdp2_after_shrink(world, victim):
+    """Rank `victim` dies; the survivors shrink and train FSDP2 (fully_shard over a device mesh
+    of torch_group(shrunk)) for three steps."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    if world.rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    with pytest.raises(comm.PeerFailure):
+        world.all_reduce(np.ones(1))
+    new = world.shrink()
+    pg = comm.torch_group(new)
+    mesh = DeviceMesh.from_group(pg, "cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model(torch.full((2, 4), float(new.rank + 1 + step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = [p.full_tensor().tolist() for p in model.parameters()]
+    assert torch.distributed.get_world_size() == 2   # the shrunk group became torch's default
+    torch.distributed.destroy_process_group()        # and torch's own teardown closes it
+    assert new._closed
+    return new.ranks, full
+
+
+def fsdp2_reference(steps: int = 3):
+    """The same training on one process, with the survivors' inputs averaged as FSDP2 does."""
+    import torch
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        loss = sum(model(torch.full((2, 4), float(r + 1 + step))).sum() for r in range(2)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().tolist() for p in model.parameters()]
+
+
+def test_fsdp2_on_the_torch_group_of_a_shrunk_communicator():
+    pytest.importorskip("torch")
+    c = Cluster(3, env={"COMM_TIMEOUT": "20"})
+    try:
+        c.submit(fsdp2_after_shrink, 1)
+        out = c.collect([0, 2], 120)
+    finally:
+        c.kill()
+        c.close()
+    want = fsdp2_reference()
+    for ok, value, _ in out.values():
+        assert ok, value[1]
+        ranks, params = value
+        assert ranks == (0, 2), value
+        for got, expected in zip(params, want):
+            np.testing.assert_allclose(np.array(got), np.array(expected), rtol=1e-5, atol=1e-6)

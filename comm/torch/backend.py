@@ -545,12 +545,40 @@ class ProcessGroupComm(dist.ProcessGroup):
 
 def torch_group(communicator: Communicator, name: str | None = None) -> ProcessGroupComm:
     """A torch.distributed process group over `communicator` (CPU tensors), e.g. one that shrink
-    or grow made: pass it to DDP (process_group=) or to torch.distributed calls (group=). The
-    group takes the communicator over: its shutdown() closes it."""
+    or grow made: pass it to DDP (process_group=), to DeviceMesh.from_group (FSDP2) or to
+    torch.distributed calls (group=). It becomes torch's default group when there is none
+    (after destroy_process_group(), or where init_process_group was never called). The group
+    takes the communicator over: dist.destroy_process_group(group) (or its shutdown(), which
+    leaves it in torch's tables) closes it."""
     name = name or f"{communicator._ctx.group_name}@{communicator.epoch}"
-    return ProcessGroupComm(None, communicator.rank, communicator.size,
-                            datetime.timedelta(seconds=communicator.timeout), name,
-                            list(communicator.ranks), communicator=communicator)
+    pg = ProcessGroupComm(None, communicator.rank, communicator.size,
+                          datetime.timedelta(seconds=communicator.timeout), name,
+                          list(communicator.ranks), communicator=communicator)
+    _enter_c10d(pg, name, list(communicator.ranks))
+    return pg
+
+
+def _enter_c10d(pg: ProcessGroupComm, name: str, global_ranks: list[int]) -> None:
+    """Record the group in torch.distributed's tables as new_group does, so that the rest of
+    torch finds it as it finds its own: get_process_group_ranks and DeviceMesh.from_group
+    (FSDP2, tensor parallel), the functional collectives (which resolve a group by its name),
+    destroy_process_group. With no default group (a job that never called init_process_group,
+    or destroyed it after a failure), this one becomes the default, numbered as the
+    communicator is; otherwise its global ranks are the communicator's job ranks."""
+    c10d = dist.distributed_c10d
+    default = not dist.is_initialized()
+    if default:
+        global_ranks = list(range(pg.size()))
+        c10d._update_default_pg(pg)
+    c10d._world.pg_map[pg] = (BACKEND, None)
+    c10d._world.pg_names[pg] = name
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(global_ranks)}
+    c10d._world.pg_backend_config[pg] = f"cpu:{BACKEND}"
+    tag = f"ptd:{name}"
+    c10d._world.pg_to_tag[pg] = tag
+    c10d._world.tags_to_pg.setdefault(tag, []).append(pg)
+    c10d._world.tags_to_pg.setdefault("", []).append(pg)
+    c10d._register_process_group(name, pg)
 
 
 def _create(common, backend_options) -> ProcessGroupComm:
