@@ -110,6 +110,10 @@ def client_handshake(sock: socket.socket, secret: bytes | None, timeout: float) 
             nonce_s = recv_exact(sock, NONCE)
             nonce_c = secrets.token_bytes(NONCE)
             sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
-            proof = recv_exact(sock, DIGEST)
+            try:
+                proof = recv_exact(sock, DIGEST)
+            except ConnectionError:   # the server checked our proof and hung up
+                raise HandshakeError("the server refused our secret proof: its COMM_SECRET differs from "
+                                     "this rank's (set the same one on every rank)") from None
             if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_c, nonce_s)):
                 raise HandshakeError("server failed the secret challenge")

@@ -34,7 +34,19 @@ except comm.CommError as e:
 """
 
 
-def launch(per_rank_env: list[dict], timeout: float = 60, **common) -> list[tuple[int, str, str]]:
+TORCH_JOB = """
+import datetime, sys, time, torch, torch.distributed as dist, comm
+t0 = time.monotonic()
+try:
+    dist.init_process_group("comm", timeout=datetime.timedelta(seconds=6))
+    dist.all_reduce(torch.ones(4))
+except comm.CommError as e:
+    print(f"{type(e).__name__} after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+    sys.exit(3)
+"""
+
+
+def launch(per_rank_env: list[dict], timeout: float = 60, job: str = JOB, **common) -> list[tuple[int, str, str]]:
     """Run JOB once per entry of per_rank_env (each laid over a shared base); returns
     (returncode, stdout, stderr) per process."""
     base_env = {k: v for k, v in os.environ.items()
@@ -42,7 +54,7 @@ def launch(per_rank_env: list[dict], timeout: float = 60, **common) -> list[tupl
     base_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), COMM_TIMEOUT="60",
                     PYTHONPATH=os.pathsep.join([ROOT, base_env.get("PYTHONPATH", "")]))
     base_env.update(common)
-    procs = [subprocess.Popen([sys.executable, "-c", JOB], env={**base_env, **env}, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", job], env={**base_env, **env}, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE) for env in per_rank_env]
     out = []
     for p in procs:
@@ -80,6 +92,23 @@ def test_secret_only_on_a_client_fails_every_rank_fast():
     _failed_fast(results, "COMM_SECRET")
     assert "has COMM_SECRET set but rank 0 has not" in results[0][1]
     assert "disagrees on COMM_SECRET (it is set here)" in results[1][1]
+
+
+@needs_native
+def test_different_secrets_under_torch_are_named():
+    """init_process_group("comm") rendezvous over torch's store, which has no secret: the data
+    connections' handshake is where two secrets meet. The rank whose proof is refused says
+    so at once; rank 0 (which cannot trust an unauthenticated claim to end the job) names the
+    failed handshakes in its timeout."""
+    pytest.importorskip("torch")
+    results = launch([{"RANK": "0", "WORLD_SIZE": "2", "COMM_SECRET": "one"},
+                      {"RANK": "1", "WORLD_SIZE": "2", "COMM_SECRET": "two"}], job=TORCH_JOB)
+    rc1, out1, err1 = results[1]
+    assert rc1 == 3 and "its COMM_SECRET differs from this rank's" in out1, out1 + err1
+    assert float(out1.split(" after ")[1].split(" s")[0]) < 5
+    rc0, out0, err0 = results[0]
+    assert rc0 == 3 and "CommTimeout" in out0, out0 + err0
+    assert "1 connection(s) failed the handshake (a rank started with another COMM_SECRET" in out0, out0
 
 
 @needs_native

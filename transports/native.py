@@ -280,7 +280,7 @@ class NativeTransport(Transport):
         HANDSHAKE_S at most and never holds up the ranks' own connections."""
         lock = threading.Lock()
         pending: dict[socket.socket, float] = {}  # handshakes in progress -> their deadline
-        state = {"missing": expected, "over": False}
+        state = {"missing": expected, "over": False, "refused": 0}
         wake_r, wake_w = socket.socketpair()  # a registered connection wakes the loop below
 
         def handshake(s: socket.socket) -> None:
@@ -289,8 +289,11 @@ class NativeTransport(Transport):
                 s.settimeout(HANDSHAKE_S)
                 peer, role, their_token = _IDENT.unpack(auth.recv_exact(s, _IDENT.size))
                 ours = their_token == token and ctx.rank < peer < ctx.size
-            except (OSError, auth.HandshakeError):  # a stranger or a wrong secret
+            except (OSError, auth.HandshakeError) as e:  # a stranger or a wrong secret
                 ours = False
+                if isinstance(e, auth.HandshakeError):
+                    with lock:
+                        state["refused"] += 1
             with lock:
                 # not ours, evicted by its deadline, a duplicate, or set-up already over
                 if pending.pop(s, None) is None or not ours or state["over"] or role in socks[peer]:
@@ -315,7 +318,9 @@ class NativeTransport(Transport):
                         _wake(s)
                     wake_at = min([deadline, *pending.values()])
                 if now >= deadline:
-                    raise CommTimeout(f"{state['missing']} connections from higher ranks never arrived",
+                    refused = (f"; {state['refused']} connection(s) failed the handshake (a rank started "
+                               "with another COMM_SECRET, or a stranger)" if state["refused"] else "")
+                    raise CommTimeout(f"{state['missing']} connections from higher ranks never arrived{refused}",
                                       rank=ctx.rank, op="init")
                 ready, _, _ = select.select([listener, wake_r], [], [], wake_at - now)
                 if wake_r in ready:
