@@ -16,8 +16,8 @@ descriptors pauses the accept loop instead of ending it.
 """
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import errno
 import json
 import socket

@@ -247,7 +247,9 @@ void Comm::check_alive(const Deadline& dl) {
 }
 
 CommError Comm::explain(const CommError& e) {
-  if (e.peer < 0 || (e.code != ErrorCode::TIMEOUT && e.code != ErrorCode::PEER_FAILURE)) return e;
+  if (e.peer < 0 || e.peer >= size || (e.code != ErrorCode::TIMEOUT && e.code != ErrorCode::PEER_FAILURE))
+    return e;
+  if (peers[e.peer].said_goodbye.load(std::memory_order_acquire)) return e;  // it closed: nothing to add
   // A data connection can break a little before the dead peer's monitor hangs up.
   const auto until = Clock::now() + std::chrono::milliseconds(250);
   const Deadline never;
