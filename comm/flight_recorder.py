@@ -16,6 +16,7 @@ from .ops import OpKind
 from .types import DType
 
 DEPTH = 64
+SHOWN = 8      # entries per list on stderr
 
 
 class FlightRecorder:
@@ -37,23 +38,27 @@ class FlightRecorder:
         return entry
 
     def dump(self, reason: str) -> str:
+        """Write the record: all of it to COMM_FLIGHT_RECORDER, else the last SHOWN entries of
+        each list to stderr (every survivor of a failure dumps; a screenful each is plenty)."""
         now = time.monotonic()
+        path = config.get("COMM_FLIGHT_RECORDER")
         lines = [f"comm flight recorder: rank {self._rank} of group {self._group}: {reason}",
                  "  seq  op              dtype      count  root/peer  state      age(s)"]
-        entries = list(self._entries)
+        sections = [("", list(self._entries))]
         if self._engine_ops is not None:
-            entries.append(None)
-            entries += [(seq, OpKind(k), DType(d), count, root, state, t)
-                        for seq, k, d, count, root, state, t in self._engine_ops()]
-        for entry in entries:
-            if entry is None:
-                lines.append("  the engine's collectives (every call path, its own seq):")
-                continue
-            seq, op, dtype, count, who, state, t = entry
-            lines.append(f"  {seq:<4} {op.name.lower():<15} {dtype.name.lower():<9} {count:>7}  {who:>9}  "
-                         f"{state:<9} {now - t:8.3f}")
+            sections.append(("  the engine's collectives (every call path, its own seq):",
+                             [(seq, OpKind(k), DType(d), count, root, state, t)
+                              for seq, k, d, count, root, state, t in self._engine_ops()]))
+        for title, entries in sections:
+            if title:
+                lines.append(title)
+            if not path and len(entries) > SHOWN:
+                lines.append(f"  ... {len(entries) - SHOWN} earlier (COMM_FLIGHT_RECORDER=<file> keeps them all)")
+                entries = entries[-SHOWN:]
+            for seq, op, dtype, count, who, state, t in entries:
+                lines.append(f"  {seq:<4} {op.name.lower():<15} {dtype.name.lower():<9} {count:>7}  {who:>9}  "
+                             f"{state:<9} {now - t:8.3f}")
         text = "\n".join(lines) + "\n"
-        path = config.get("COMM_FLIGHT_RECORDER")
         if path:
             with open(path, "a") as f:
                 f.write(text)

@@ -233,3 +233,18 @@ def test_soak_random_collectives(channels):
         assert fd_growth <= 0, f"rank {r}: {fd_growth} more open fds after the soak"
         assert rss[-1] - rss[1] < 32 << 20, f"rank {r}: RSS grew {(rss[-1] - rss[1]) >> 20} MiB"
     assert shm_segments() <= before
+
+
+def test_flight_recorder_on_stderr_shows_the_last_entries(capsys, monkeypatch):
+    """Every survivor of a failure dumps: on stderr only the last SHOWN entries of each list,
+    and where the rest can be kept."""
+    from comm.flight_recorder import SHOWN, FlightRecorder
+    from comm.ops import OpKind
+    from comm.types import DType
+    monkeypatch.delenv("COMM_FLIGHT_RECORDER", raising=False)
+    engine = [(i, int(OpKind.ALL_REDUCE), int(DType.FLOAT32), 4, 0, "done", 0.0) for i in range(1, 41)]
+    text = FlightRecorder(0, "world", lambda: engine).dump("a peer died")
+    assert capsys.readouterr().err == text
+    rows = [line for line in text.splitlines() if line.strip().split(" ")[0].isdigit()]
+    assert [int(r.split()[0]) for r in rows] == list(range(41 - SHOWN, 41)), text
+    assert f"... {40 - SHOWN} earlier (COMM_FLIGHT_RECORDER=<file> keeps them all)" in text
