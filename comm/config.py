@@ -118,7 +118,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_SECRET", "", "Shared job secret: every connection proves it with an HMAC challenge. Empty: unauthenticated (a warning says so).", _opt_str),
     Variable("COMM_BIND_ADDR", "", "IPv4 or IPv6 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ip(s) if s else None),
     Variable("COMM_SOCKET_IFNAME", "", "Network interfaces to listen on, as NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME: comma-separated name prefixes (eth,ib), =names for exact ones, ^ to exclude (^docker,lo); the first that has an address is used (IPv4, else IPv6). Empty: the interface whose route reaches MASTER_ADDR.", lambda s: _ifnames(s) if s else None),
-    Variable("COMM_FLIGHT_RECORDER", "", "File to which each rank appends its last operations when an operation fails; empty: stderr.", _opt_str),
+    Variable("COMM_FLIGHT_RECORDER", "", "File to which each rank appends its last operations when an operation fails; empty: the last 8 of them on stderr.", _opt_str),
     Variable("COMM_VERBS_DEVICE", "", "RDMA device (and port) for the verbs transport, e.g. mlx5_0 or mlx5_0:1. Empty: the first active port.", _opt_str),
     Variable("COMM_VERBS_GID_INDEX", "-1", "GID table index for the verbs transport (RoCE needs one; RoCEv2 is often 3). -1: the first non-zero GID of the port.", _int_at_least(-1)),
     Variable("COMM_VERBS_HOP_LIMIT", "64", "IP hop limit (TTL) of the verbs transport's RoCE v2 / routed InfiniBand packets; 1 keeps them inside one subnet.", _int_at_least(1)),
