@@ -15,6 +15,10 @@ the failed ranks, connects a new communicator of the rest (new sockets, new shar
 store keys under the new epoch: nothing of it can be reached by an excluded rank, which the
 host also refuses), then agrees that every member connected; a member lost meanwhile starts
 another round without it.
+
+A transport whose library keeps its own groups and can go on after a failure by itself (mpi,
+through MPI's ULFM: Transport.ulfm) revokes, agrees and shrinks with the library's calls
+instead; the store is not involved then.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import zlib
 
 from . import auth, log, rendezvous
 from .errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
+from .ops import BootstrapContext
 from .store import Store, StoreLost, StoreServer
 
 LEDGER = 64   # decisions a process replays onto a new host: more than any shrink in flight needs
@@ -187,6 +192,30 @@ def membership(world, op: str) -> Membership:
     return m
 
 
+def _ulfm(world, op: str) -> bool:
+    """True where the transport's library revokes, agrees and shrinks (MPI's ULFM), raising
+    TransportUnavailable where this job cannot (the library lacks ULFM, or it runs without it)."""
+    if not world._transport.ulfm:
+        return False
+    missing = world._transport.ulfm_missing()
+    if missing:
+        raise TransportUnavailable(f"{op} is not available on transport {world.transport!r}: {missing}",
+                                   rank=world.rank, op=op)
+    if world._closed or world._foreign:
+        world._refuse(op)
+    return True
+
+
+def _library(world, op: str, call, *args):
+    """call(*args) on a ulfm transport, its failures as CommErrors of this rank and op."""
+    try:
+        return call(*args)
+    except CommError as e:
+        raise e.locate(world.rank, op) from None
+    except Exception as e:   # the library's own exception type (mpi4py's MPI.Exception)
+        raise world._transport.error(e).locate(world.rank, op) from None
+
+
 def _key(world, what: str) -> str:
     world._elastic_calls += 1
     return f"{world._ctx.group_name}@{world.epoch}/{what}{world._elastic_calls}"
@@ -198,9 +227,12 @@ def _dead(world) -> set[int]:
 
 
 def agree(world, flag: int, timeout: float | None = None) -> int:
-    m = membership(world, "agree")
     if not isinstance(flag, int) or isinstance(flag, bool) or not 0 <= flag < 2**62:
         raise InvalidArgument(f"flag must be an int in [0, 2**62), got {flag!r}", rank=world.rank, op="agree")
+    if _ulfm(world, "agree"):
+        flag, world._failed_ranks = _library(world, "agree", world._transport.agree, flag, timeout or world.timeout)
+        return flag
+    m = membership(world, "agree")
     decision = m.agree(_key(world, "agree"), world.ranks, flag, _dead(world), timeout or world.timeout)
     world._failed_ranks = sorted(world.ranks.index(u) for u in decision["failed"])
     return decision["flag"]
@@ -215,6 +247,8 @@ def _fingerprint(ranks) -> int:
 
 def shrink(world, timeout: float | None, exclude) -> "object":
     from .communicator import connect
+    if _ulfm(world, "shrink"):
+        return _shrink_ulfm(world, timeout, exclude)
     m = membership(world, "shrink")
     timeout = timeout or world.timeout
     try:
@@ -253,6 +287,26 @@ def shrink(world, timeout: float | None, exclude) -> "object":
             new.close()
         seen |= set(done["failed"])
     raise CommError("shrink gave up: members kept failing", rank=world.rank, op="shrink")
+
+
+def _shrink_ulfm(world, timeout, exclude):
+    """shrink through the library (MPIX_Comm_shrink): every live rank takes part, so no rank
+    can be left out on purpose."""
+    from .communicator import Communicator
+    if list(exclude):
+        raise InvalidArgument(f"exclude is not available on transport {world.transport!r}: its library "
+                              "shrinks to every live rank, and a live rank that does not call shrink "
+                              "would hang the others", rank=world.rank, op="shrink")
+    world.revoke()   # ranks still blocked in the old communicator fail at once
+    transport, kept = _library(world, "shrink", world._transport.shrink, timeout or world.timeout)
+    old = world._ctx
+    # the store's view for the new group, as split's: its keys under this shrink's own name
+    ctx = BootstrapContext(kept.index(world.rank), len(kept),
+                           old.store.scoped(_key(world, "shrink"), kept.index(world.rank), len(kept)),
+                           world.timeout, old.host_id, old.secret, old.bind_addr, old.group_name, old.options,
+                           tuple(old.host_ids[r] for r in kept) if old.host_ids else ())
+    world._failed_ranks = [r for r in range(world.size) if r not in kept]
+    return _succeed(world, Communicator(transport, ctx, ranks=tuple(world.ranks[r] for r in kept)))
 
 
 def _succeed(old, new):
@@ -324,7 +378,8 @@ def join(address: str, timeout: float | None = None):
 def revoke(world) -> None:
     if world._foreign:
         world._refuse("revoke")
+    _ulfm(world, "revoke")   # a ulfm transport that cannot revoke says why, before anything changes
     if world._failure is None or not isinstance(world._failure, Revoked):
         world._failure = Revoked("this rank revoked the communicator; shrink() it to go on",
                                  rank=world.rank, op="revoke")
-    world._transport.revoke()
+    _library(world, "revoke", world._transport.revoke)

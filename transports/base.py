@@ -30,6 +30,10 @@ class Transport(abc.ABC):
     # transport over the store for the new group (create), which fits any transport whose
     # connections the store bootstraps; one whose library makes its own groups cannot.
     elastic: ClassVar[str | None] = None
+    # True where the transport's library revokes, agrees and shrinks by itself (MPI's ULFM):
+    # comm.elastic then calls ulfm_missing(), revoke(), agree() and shrink() below instead of its
+    # own agreement over the store, since only the library can make its next communicator.
+    ulfm: ClassVar[bool] = False
 
     rank: int
     size: int
@@ -85,6 +89,20 @@ class Transport(abc.ABC):
     def revoke(self) -> None:
         """abort(), telling the peers it is a revoke where the transport can (comm.elastic)."""
         self.abort()
+
+    def ulfm_missing(self) -> str | None:
+        """(ulfm transports) None when this job can revoke, agree and shrink, else what is
+        missing and how to get it."""
+        return "this transport has no ULFM"
+
+    def agree(self, flag: int, timeout: float) -> tuple[int, list[int]]:
+        """(ulfm transports) The AND of the live ranks' flags (ints below 2**62), and the
+        ranks the library reports failed."""
+        raise NotImplementedError
+
+    def shrink(self, timeout: float) -> tuple["Transport", list[int]]:
+        """(ulfm transports) A transport over the live ranks, and their ranks here, in order."""
+        raise NotImplementedError
 
     def dead_peers(self) -> list[int]:
         """Ranks this rank knows first hand to be dead (comm.elastic). Never raises."""

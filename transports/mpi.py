@@ -7,12 +7,21 @@ over the 16-bit storage, one rounding per step as in the engine), AVG (a sum, th
 
 By default (COMM_MPI_BOUNDED=1) every operation uses MPI's non-blocking form and waits poll
 MPI_Test against the communicator's timeout, so a rank that hangs (rather than dies: Open
-MPI ends the whole job then) is an error on its peers, not a hang. COMM_MPI_BOUNDED=0 calls
-MPI's blocking functions for blocking operations: a few us faster, but they cannot time out.
+MPI ends the whole job then, unless it runs ULFM, below) is an error on its peers, not a
+hang. COMM_MPI_BOUNDED=0 calls MPI's blocking functions for blocking operations: a few us
+faster, but they cannot time out.
+
+After a failure (comm.elastic) this transport drives MPI's own fault tolerance, ULFM (Open MPI 5
+under `mpirun --with-ft ulfm`): a dead rank fails the survivors' operations with PeerFailure
+(MPIX_ERR_PROC_FAILED), revoke() is MPIX_Comm_revoke (Revoked: MPIX_ERR_REVOKED), agree() is
+MPIX_Comm_agree and shrink() MPIX_Comm_shrink. grow() is not available (MPI would spawn).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import importlib.util
+import os
 
 import numpy as np
 
@@ -23,6 +32,8 @@ from comm.errors import (
     CommError,
     CommTimeout,
     InvalidArgument,
+    PeerFailure,
+    Revoked,
     TransportUnavailable,
 )
 from comm.types import DType, ReduceOp
@@ -73,7 +84,13 @@ class MPIRequest(Request):
             f"not completed within {timeout:g} s (a peer is slow, hung or calling a different operation)"))
 
 def _error(e) -> CommError:
-    return CommError(f"MPI error: {e.Get_error_string()}")
+    text = f"MPI error: {e.Get_error_string()}"
+    cls = e.Get_error_class()
+    if cls in (MPI.ERR_PROC_FAILED, MPI.ERR_PROC_FAILED_PENDING):   # ULFM: a rank of the group died
+        return PeerFailure(f"{text} (a rank died: shrink() goes on without it)")
+    if cls == MPI.ERR_REVOKED:
+        return Revoked(f"{text} (a rank revoked the communicator: shrink() it to go on)")
+    return CommError(text)
 
 
 def _tables():
@@ -161,11 +178,12 @@ class MPITransport(Transport):
     name = "mpi"
     kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
-    # MPI makes its own groups: after a death only ULFM (MPIX_Comm_revoke / agree / shrink,
-    # under `mpirun --with-ft ulfm`) can make a new one, and this transport does not drive it.
-    elastic = ("MPI communicators are made by the MPI library, and after a failure only its ULFM "
-               "extension (MPIX_Comm_shrink, Open MPI 5 under `mpirun --with-ft ulfm`) can make a new "
-               "one; this transport does not drive ULFM: use the native transport")
+    # MPI makes its own groups: after a death only its ULFM extension can make the next one, so
+    # revoke / agree / shrink are MPI's (ulfm); growing would need MPI to spawn processes.
+    ulfm = True
+    elastic = ("MPI communicators are made by the MPI library; revoke, agree and shrink use its ULFM "
+               "extension, but growing would need MPI to spawn the new processes, which this transport "
+               "does not drive: use the native transport")
 
     def __init__(self, comm, owned: bool):
         self.comm = comm
@@ -174,6 +192,7 @@ class MPITransport(Transport):
         self._bounded = config.get("COMM_MPI_BOUNDED")
         self._aborted = False
         self._tag_ub = comm.Get_attr(MPI.TAG_UB)
+        comm.Set_errhandler(MPI.ERRORS_RETURN)   # errors (a dead rank's too) come back as exceptions
 
     @classmethod
     def available(cls) -> str | None:
@@ -258,10 +277,69 @@ class MPITransport(Transport):
     def abort(self) -> None:
         self._aborted = True
 
+    # ---- after a failure: MPI's ULFM (comm.elastic calls these) --------------------------------
+    def error(self, e: Exception) -> CommError:
+        return _error(e) if isinstance(e, MPI.Exception) else super().error(e)
+
+    def ulfm_missing(self) -> str | None:
+        return _ulfm_missing()
+
+    def revoke(self) -> None:
+        # MPI tells every rank: their pending and later operations fail with MPIX_ERR_REVOKED
+        self.comm.Revoke()
+
+    def agree(self, flag: int, timeout: float) -> tuple[int, list[int]]:
+        # MPIX_Comm_agree ANDs one C int: two rounds of 31 bits carry the 62 of comm's flags.
+        # Iagree writes into a buffer, so the result survives MPIX_ERR_PROC_FAILED, which ULFM
+        # raises on every survivor alike when a rank died before contributing (its flag left
+        # out); acknowledging the failure keeps the second round from raising it again.
+        result = 0
+        for shift in (0, 31):
+            part = np.array([(flag >> shift) & 0x7FFFFFFF], np.intc)
+            req = self.comm.Iagree(part)
+            try:
+                MPIRequest(req, None, self, None).wait(timeout)
+            except PeerFailure:
+                self.comm.Ack_failed()
+            result |= int(part[0]) << shift
+        return result, sorted(_ranks_in(self.comm.Get_failed(), self.comm))
+
+    def shrink(self, timeout: float) -> tuple[MPITransport, list[int]]:
+        # Blocking MPIX_Comm_shrink: Open MPI 5 has no MPIX_Comm_ishrink (mpi4py would fall back
+        # to a plain Comm_idup), so `timeout` cannot bound it; ULFM's failure detector does.
+        new = self.comm.Shrink()
+        return MPITransport(new, owned=True), _ranks_in(new.Get_group(), self.comm)
+
     def close(self) -> None:
         if self._owned and self.comm != MPI.COMM_NULL:
             self.comm.Free()
             self.comm = MPI.COMM_NULL
+
+
+def _ranks_in(group, comm) -> list[int]:
+    """The ranks in `comm` of the members of `group` (which is freed)."""
+    whole = comm.Get_group()
+    ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), whole)
+    group.Free()
+    whole.Free()
+    return list(ranks)
+
+
+@functools.cache
+def _ulfm_missing() -> str | None:
+    """None when ULFM can run in this job, else what is missing and how to launch."""
+    how = "launch the job with `mpirun --with-ft ulfm` (Open MPI 5)"
+    # mpi4py falls back silently where the library lacks ULFM (agree becomes a plain allreduce,
+    # shrink a dup), so ask the library itself whether it has the calls
+    if not hasattr(ctypes.CDLL(MPI.__file__), "MPIX_Comm_agree"):
+        version = MPI.Get_library_version().splitlines()[0]
+        return f"this MPI library ({version}) has no ULFM (MPIX_Comm_agree); use Open MPI 5 and {how}"
+    # Open MPI kills the whole job at the first death unless fault tolerance is on, which
+    # `--with-ft ulfm` (or `--mca mpi_ft_enable 1`) passes to the ranks in this variable
+    if "Open MPI" in MPI.Get_library_version() and \
+            os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() not in ("1", "true", "yes", "enabled"):
+        return f"this job runs without MPI fault tolerance (a death would end every rank): {how}"
+    return None
 
 
 def _replace(desc: OpDesc, **changes) -> OpDesc:
