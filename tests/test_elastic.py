@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 import comm
-from harness import HERE, ROOT, Cluster, free_port
+from bench.cluster import NetnsCluster
+from bench.cluster import unavailable as netns_unavailable
+from harness import HERE, ROOT, Cluster, engine_param, engine_setup, free_port
 
 
 
@@ -77,11 +79,30 @@ def _wait_for(path, timeout=30):
         time.sleep(0.01)
 
 
-def test_shrink_after_kills_incl_store_host(tmp_path):
+@pytest.mark.parametrize("where", [engine_param("auto", channels="auto"), engine_param("tcp", channels="tcp"),
+                                   engine_param("ucx", channels="ucx"),
+                                   pytest.param("2 hosts", marks=pytest.mark.skipif(
+                                       netns_unavailable() is not None, reason=str(netns_unavailable())))])
+def test_shrink_after_kills_incl_store_host(tmp_path, where):
     """4 ranks; rank 2 is killed, then (once they shrank) rank 0, which hosts the store: the
     survivors shrink twice (the second time moving the store to rank 1) and every sum stays
-    exact."""
-    c = Cluster(4, env={"COMM_TIMEOUT": "20"})
+    exact. On shared memory, TCP, UCX, and across two simulated hosts (ranks 0, 1 | 2, 3: the
+    first victim's host keeps one rank, the second victim is the store's host)."""
+    hosts = NetnsCluster(2) if where == "2 hosts" else None
+    try:
+        if hosts is None:
+            transport, env = engine_setup(where)
+            c = Cluster(4, transport, env={**env, "COMM_TIMEOUT": "20"})
+        else:
+            c = Cluster(4, netns=[hosts.ns[h] for h in (0, 0, 1, 1)],
+                        env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "20"})
+        _kill_twice_and_check(c, tmp_path)
+    finally:
+        if hosts is not None:
+            hosts.close()
+
+
+def _kill_twice_and_check(c, tmp_path):
     marker = str(tmp_path / "shrunk")
     try:
         pids = c.pids()
