@@ -356,3 +356,29 @@ def _pipeline(rank, size, port):
 
 def test_pipeline_gpipe_and_1f1b(ranks):
     assert ranks(2, _pipeline) == [True, True]
+
+
+# ---- torchft ------------------------------------------------------------------------------
+def _torchft_reconfigure(rank, size, port):
+    """torchft's reconfigurable group on "comm": configure for quorum 1, all_reduce, then
+    configure again for quorum 2 (a fresh group over a new store prefix), all_reduce."""
+    from torch.distributed import AllreduceOptions, TCPStore
+
+    from comm.torch.torchft import ProcessGroupComm
+    store = TCPStore("127.0.0.1", port, size, is_master=rank == 0, wait_for_workers=False)
+    pg = ProcessGroupComm(timeout=datetime.timedelta(seconds=30))
+    sums = []
+    for quorum in (1, 2):
+        pg.configure(f"127.0.0.1:{port}/torchft/{quorum}", "replica", rank, size, quorum_id=quorum)
+        x = torch.full((4,), float(rank + quorum))
+        pg.allreduce([x], AllreduceOptions()).wait()
+        sums.append(x.tolist())
+    pg.shutdown()
+    del store
+    return pg.getBackendName(), sums
+
+
+def test_torchft_process_group_reconfigures(ranks):
+    pytest.importorskip("torchft")
+    got = ranks(2, _torchft_reconfigure, timeout=120)
+    assert got == [("torchft-comm", [[3.0] * 4, [5.0] * 4])] * 2, got

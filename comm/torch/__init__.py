@@ -5,6 +5,7 @@
     args.py      torch's argument forms and reduce ops as comm's, tensors staged for comm
     sparse.py    sparse (COO) all_reduce
     store.py     torch's Store as comm's (the backend's communicators; comm.init under torchrun)
+    torchft.py   torchft's reconfigurable ProcessGroupComm (imports torchft: not loaded here)
 
 Importing this package, or any module of it, registers the backend. So does ``import torch``
 where the package is installed: torch's backend autoload calls the ``torch.backends`` entry
