@@ -16,7 +16,6 @@ descriptors pauses the accept loop instead of ending it.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import errno
 import json
@@ -25,7 +24,6 @@ import struct
 import sys
 import threading
 import time
-import weakref
 
 from . import auth, config, log, rendezvous
 from .agreement import Agreements
@@ -42,7 +40,7 @@ MAX_TOTAL = 64 << 20                  # all keys and values together
 _ENTRY_COST = 64                      # bookkeeping charged per key against MAX_TOTAL
 JOIN_DEADLINE = 10.0                  # seconds a new connection has to pass the handshake and join
 MAX_STRANGERS = 64                    # connections not yet joined, beyond one per missing rank
-LINGER = 3.0                          # seconds a closing host keeps answering ranks still connected or on their way
+LINGER = 3.0                          # seconds a host that saw a disagreement waits to tell late ranks
 _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
@@ -65,23 +63,6 @@ def _ranks(ranks) -> str:
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
     return ", ".join(out)
-
-
-# What this process serves and the connections it holds, for the interpreter's exit.
-_SERVERS: "weakref.WeakSet[StoreServer]" = weakref.WeakSet()
-_CLIENTS: "weakref.WeakSet[Store]" = weakref.WeakSet()
-
-
-@atexit.register
-def _at_exit() -> None:
-    """A program that ends without close() (its communicators left to the interpreter's exit)
-    may host the store while other ranks still read their last keys from it: this process's
-    own connections go first, then each store it serves answers the others until they have
-    left, for up to LINGER seconds."""
-    for store in list(_CLIENTS):
-        store._hang_up()
-    for server in list(_SERVERS):
-        server.close(wait=True)
 
 
 class StoreServer:
@@ -120,7 +101,6 @@ class StoreServer:
             self._socks.add(first[0])
             threading.Thread(target=self._serve, args=(first[0], first[1][0]), daemon=True).start()
         threading.Thread(target=self._accept_loop, name="comm-store", daemon=True).start()
-        _SERVERS.add(self)
         interval = config.get("COMM_REPORT_INTERVAL")
         if interval > 0 and size > 1:
             threading.Thread(target=self._report_loop, args=(interval,), name="comm-store-report",
@@ -408,26 +388,21 @@ class StoreServer:
                                 timeout)
         return _OK, json.dumps(agreements.decided[key]).encode()
 
-    def close(self, wait: bool = False) -> None:
-        """Stop serving. Ranks still on their way (a disagreement to hear) or still connected
-        (one may be between the set and the get of its last gather while this host's program
-        ends) would find no store: they are answered for up to LINGER seconds more, on a
-        thread the process's exit waits for (wait: on the caller's, as at interpreter exit)."""
+    def close(self) -> None:
         with self._cond:
-            late = self._failure is not None and len(self._told) < self._size
-            linger = not self._closed and (late or bool(self._live))
-        if not linger:
-            self._shut(0.0, False)
-        elif wait:
-            self._shut(min(LINGER, self._timeout), late)
-        else:
-            threading.Thread(target=self._shut, args=(min(LINGER, self._timeout), late),
+            linger = self._failure is not None and not self._closed and len(self._told) < self._size
+        if linger:
+            # ranks still on their way would find no store and wait out their timeout: keep
+            # answering them for a moment (the caller's error is not held up; the process's
+            # exit waits for this thread)
+            threading.Thread(target=self._shut, args=(min(LINGER, self._timeout),),
                              name="comm-store-linger").start()
+        else:
+            self._shut(0.0)
 
-    def _shut(self, linger: float, late: bool) -> None:
+    def _shut(self, linger: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: not self._live and (not late or len(self._told) >= self._size),
-                                linger)
+            self._cond.wait_for(lambda: len(self._told) >= self._size, linger)
             self._closed = True
             self._cond.notify_all()
             # the waiters just woken owe their ranks an answer: let them send it before this
@@ -492,7 +467,6 @@ class Store(KeyValueStore):
         self.membership = None   # comm.elastic.Membership: this process in an elastic job
         self._lock = threading.Lock()
         self.joined = self._join(self._connect(addr, port, secret), agree, hello)
-        _CLIENTS.add(self)
         log.debug(rank, f"store: joined the rendezvous at {addr}:{port} as rank {rank} of {size}")
 
     def _join(self, sock: socket.socket, agree: dict | None, hello: dict | None) -> bytes:
@@ -645,16 +619,13 @@ class Store(KeyValueStore):
         return int.from_bytes(self._call(_ADD, key, amount.to_bytes(8, "little", signed=True)),
                               "little", signed=True)
 
-    def _hang_up(self) -> None:
+    def close(self) -> None:
+        if self._prefix:
+            return  # views do not own the connection
         try:
             self._sock.close()
         except OSError:
             pass
-
-    def close(self) -> None:
-        if self._prefix:
-            return  # views do not own the connection
-        self._hang_up()
         if self._server is not None:
             self._server.close()
         if self.membership is not None:

@@ -115,6 +115,9 @@ def threads(world) -> None:
     results = {}
     start = threading.Barrier(2)
     persistent = os.environ.get("MODE") == "persistent"
+    # every rank past init (its last read of the store) before rank 0's abort can end its
+    # process, and the store it hosts, while rank 1 is still between a set and a get
+    world.barrier()
 
     def loop(t: int) -> None:
         good = bad = 0
