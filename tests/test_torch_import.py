@@ -33,8 +33,10 @@ from harness import ROOT, free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
+# comm.torch.torchft imports torchft: imported first only where torchft is installed
 TORCH_MODULES = sorted("comm.torch" + ("" if name == "__init__.py" else "." + name[:-3])
-                       for name in os.listdir(os.path.join(ROOT, "comm", "torch")) if name.endswith(".py"))
+                       for name in os.listdir(os.path.join(ROOT, "comm", "torch"))
+                       if name.endswith(".py") and (name != "torchft.py" or importlib.util.find_spec("torchft")))
 OTHER_MODULES = sorted(
     ".".join(os.path.relpath(os.path.join(d, name), ROOT)[:-3].split(os.sep)).removesuffix(".__init__")
     for d, _, files in os.walk(os.path.join(ROOT, "comm"))
