@@ -602,14 +602,18 @@ class Communicator:
             return None
         members = sorted((k, r) for r, (c, k) in enumerate(entries) if c == color)
         ranks = tuple(r for _, r in members)
-        new_rank = ranks.index(self.rank)
-        store = self._ctx.store.scoped(f"{tag}/c{color}", new_rank, len(ranks))
-        ctx = BootstrapContext(new_rank, len(ranks), store, self.timeout, self._ctx.host_id,
-                               self._ctx.secret, self._ctx.bind_addr,
-                               f"{self._ctx.group_name}.{tag}.c{color}", self._ctx.options,
-                               tuple(self._ctx.host_ids[r] for r in ranks) if self._ctx.host_ids else ())
+        ctx = self._child_context(ranks, f"{tag}/c{color}", f"{self._ctx.group_name}.{tag}.c{color}")
         transport = _set_up(self.rank, "split", self._transport.split, color, key, ctx)
         return Communicator(transport, ctx, ranks=tuple(self.ranks[r] for r in ranks))
+
+    def _child_context(self, ranks, scope: str, group_name: str) -> BootstrapContext:
+        """The bootstrap context of a group of `ranks` (numbered as here, this rank among them)
+        made from this communicator (split, and shrink where the library makes the group): the
+        store's view under `scope`, the members' host ids."""
+        ctx, rank = self._ctx, ranks.index(self.rank)
+        return BootstrapContext(rank, len(ranks), ctx.store.scoped(scope, rank, len(ranks)), self.timeout,
+                                ctx.host_id, ctx.secret, ctx.bind_addr, group_name, ctx.options,
+                                tuple(ctx.host_ids[r] for r in ranks) if ctx.host_ids else ())
 
     # ---- after a failure: revoke, agree, shrink, grow (comm.elastic) --------------------------
     def revoke(self) -> None:

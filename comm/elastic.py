@@ -31,7 +31,6 @@ import zlib
 
 from . import auth, log, rendezvous
 from .errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
-from .ops import BootstrapContext
 from .store import Store, StoreLost, StoreServer
 
 LEDGER = 64   # decisions a process replays onto a new host: more than any shrink in flight needs
@@ -299,12 +298,8 @@ def _shrink_ulfm(world, timeout, exclude):
                               "would hang the others", rank=world.rank, op="shrink")
     world.revoke()   # ranks still blocked in the old communicator fail at once
     transport, kept = _library(world, "shrink", world._transport.shrink, timeout or world.timeout)
-    old = world._ctx
-    # the store's view for the new group, as split's: its keys under this shrink's own name
-    ctx = BootstrapContext(kept.index(world.rank), len(kept),
-                           old.store.scoped(_key(world, "shrink"), kept.index(world.rank), len(kept)),
-                           world.timeout, old.host_id, old.secret, old.bind_addr, old.group_name, old.options,
-                           tuple(old.host_ids[r] for r in kept) if old.host_ids else ())
+    # the new group's store keys live under this shrink's own name
+    ctx = world._child_context(kept, _key(world, "shrink"), world._ctx.group_name)
     world._failed_ranks = [r for r in range(world.size) if r not in kept]
     return _succeed(world, Communicator(transport, ctx, ranks=tuple(world.ranks[r] for r in kept)))
 

@@ -362,9 +362,8 @@ def test_elastic_ddp_example(tmp_path):
     assert results[4]["losses"][0][0] == 20 and results[4]["losses"] == results[0]["losses"][20:]
 
 
-def ddp_after_shrink(world, victim):
-    """Rank `victim` dies; the survivors shrink and train one DDP step on torch_group(shrunk)."""
-    import torch
+def _torch_group_after_kill(world, victim):
+    """Rank `victim` dies; the survivors shrink: (the shrunk communicator, its torch group)."""
     world.barrier()   # torch imported everywhere (seconds on a loaded machine) before the clock of shrink runs
     if world.rank == victim:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -372,7 +371,28 @@ def ddp_after_shrink(world, victim):
     with pytest.raises((comm.PeerFailure, comm.Revoked)):
         world.all_reduce(np.ones(1))
     new = world.shrink()
-    pg = comm.torch_group(new)
+    return new, comm.torch_group(new)
+
+
+def _survivors_of(fn, victim=1):
+    """fn(world, victim) on 3 ranks; the survivors' results, each checked to have succeeded."""
+    pytest.importorskip("torch")
+    c = Cluster(3, env={"COMM_TIMEOUT": "60"})   # torch's import alone can take seconds under load
+    try:
+        c.submit(fn, victim)
+        out = c.collect([r for r in range(3) if r != victim], 120)
+    finally:
+        c.kill()
+        c.close()
+    for ok, value, _ in out.values():
+        assert ok, value[1]
+    return [value for _, value, _ in out.values()]
+
+
+def ddp_after_shrink(world, victim):
+    """Rank `victim` dies; the survivors shrink and train one DDP step on torch_group(shrunk)."""
+    import torch
+    new, pg = _torch_group_after_kill(world, victim)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=pg)
@@ -383,16 +403,7 @@ def ddp_after_shrink(world, victim):
 
 
 def test_ddp_on_the_torch_group_of_a_shrunk_communicator():
-    pytest.importorskip("torch")
-    c = Cluster(3, env={"COMM_TIMEOUT": "60"})   # torch's import alone can take seconds under load
-    try:
-        c.submit(ddp_after_shrink, 1)
-        out = c.collect([0, 2], 120)
-    finally:
-        c.kill()
-        c.close()
-    for ok, value, _ in out.values():
-        assert ok, value[1]
+    for value in _survivors_of(ddp_after_shrink):
         ranks, (weight, bias) = value
         # the input is 2 rows of (rank + 1): DDP averages 2 * 1 and 2 * 2 over the two survivors
         assert ranks == (0, 2) and weight == [[3.0] * 4] and bias == [2.0], value
@@ -404,14 +415,7 @@ def fsdp2_after_shrink(world, victim):
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
-    world.barrier()   # as in ddp_after_shrink
-    if world.rank == victim:
-        os.kill(os.getpid(), signal.SIGKILL)
-    # PeerFailure, or Revoked where the other survivor already began its shrink (which revokes)
-    with pytest.raises((comm.PeerFailure, comm.Revoked)):
-        world.all_reduce(np.ones(1))
-    new = world.shrink()
-    pg = comm.torch_group(new)
+    new, pg = _torch_group_after_kill(world, victim)
     mesh = DeviceMesh.from_group(pg, "cpu")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
@@ -445,17 +449,9 @@ def fsdp2_reference(steps: int = 3):
 
 
 def test_fsdp2_on_the_torch_group_of_a_shrunk_communicator():
-    pytest.importorskip("torch")
-    c = Cluster(3, env={"COMM_TIMEOUT": "60"})   # torch's import alone can take seconds under load
-    try:
-        c.submit(fsdp2_after_shrink, 1)
-        out = c.collect([0, 2], 120)
-    finally:
-        c.kill()
-        c.close()
+    results = _survivors_of(fsdp2_after_shrink)
     want = fsdp2_reference()
-    for ok, value, _ in out.values():
-        assert ok, value[1]
+    for value in results:
         ranks, params = value
         assert ranks == (0, 2), value
         for got, expected in zip(params, want):
