@@ -187,6 +187,19 @@ def _run(jobs: list, parallel: int = 2, timeout: float = 300) -> dict:
     return results
 
 
+def _reports(out: str) -> list[dict]:
+    """The ranks' JSON reports. torchrun relays both ranks' stdout into one stream, where two
+    lines can arrive joined ('{...}{...}'): read object after object, not line by line."""
+    decoder, reports, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(out) and out[i].isspace():
+            i += 1
+        if i == len(out):
+            return reports
+        report, i = decoder.raw_decode(out, i)
+        reports.append(report)
+
+
 def _pairs(names: list[str]) -> list[list[str]]:
     names = names + names[:len(names) % 2]   # an odd count: the last job repeats the first name
     return [names[i:i + 2] for i in range(0, len(names), 2)]
@@ -225,7 +238,7 @@ def test_backend_registered_whatever_comes_first(jobs, mode, first):
         pytest.skip(_autoload_missing())   # only the entry point registers the backend then
     code, out, err = jobs[(mode, first)]
     assert code == 0 and err == "", (code, out, err[-4000:])
-    ranks = [json.loads(line) for line in out.splitlines()]
+    ranks = _reports(out)
     assert sorted(r["rank"] for r in ranks) == [0, 1], out
     mine = [r for r in ranks if r["first"] == first]
     assert mine and all(r["registered"] and r["backend"] == "comm" for r in mine), out
@@ -237,7 +250,7 @@ def test_comm_init_and_process_group_under_torchrun(jobs):
     rendezvous), the same ranks, the same sums; a second comm.init joins cleanly."""
     code, out, err = jobs["both"]
     assert code == 0 and err == "", (code, out, err[-4000:])
-    ranks = sorted((json.loads(line) for line in out.splitlines()), key=lambda r: r["rank"])
+    ranks = sorted(_reports(out), key=lambda r: r["rank"])
     assert [r["rank"] for r in ranks] == [0, 1], out
     for r in ranks:
         assert (r["size"], r["torch_size"], r["torch_rank"]) == (2, 2, r["rank"]), r
