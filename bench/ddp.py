@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,9 +76,8 @@ def measure(n: int = 2, steps: int = 50, warmup: int = 5, rounds: int = 3, width
             depth: int = 4, timeout: float = 600) -> dict:
     """Launch n ranks on this host; returns seconds per step for "gloo" and "comm", and the
     ratio comm / gloo."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from comm.rendezvous import free_port
+    port = free_port()
     argv = [sys.executable, "-m", "bench.ddp", "--rank-worker", "--steps", str(steps), "--warmup", str(warmup),
             "--rounds", str(rounds), "--width", str(width), "--depth", str(depth)]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

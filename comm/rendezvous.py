@@ -163,8 +163,37 @@ def listen_socket(addr: str) -> socket.socket:
     return socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)
 
 
+# A job's rendezvous port comes from below the kernel's ephemeral range: a port the kernel hands
+# out for port 0, once closed again, can be taken by any process's listener or outgoing
+# connection before the store binds it (torchrun failed with EADDRINUSE that way), while a port
+# below the range is only ever taken by whoever asks for it by number.
+_PORTS_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port free on every address now, never one this process handed out before."""
+    import random
+    low = max(1024, min(_ephemeral_low(), 65536) - 12000)
+    for _ in range(1000):
+        port = random.randrange(low, low + 12000)
+        if port in _PORTS_GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _PORTS_GIVEN.add(port)
+        return port
+    with socket.socket() as s:   # everything below the range is taken: the kernel's pick
         s.bind(("", 0))
         return s.getsockname()[1]
 

@@ -72,10 +72,8 @@ def one_round(rng):
 
 
 def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from comm.rendezvous import free_port
+    return free_port()
 
 
 if __name__ == "__main__":

@@ -280,10 +280,8 @@ def nccl_lifecycle(world, torch) -> None:
 
 
 def _port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from comm.rendezvous import free_port
+    return free_port()
 
 
 
