@@ -200,27 +200,32 @@ class Communicator:
         if self._orphans:
             self._reap_soon()
         try:
-            posted = self._lean_async(self._busy, kind, x, out, op, root)
+            posted = self._lean_async(self, self._busy, kind, x, out, op, root, label)
         except BaseException as e:
             raise self._lean_error(label, e) from None
         if type(posted) is int:
             if posted == LEAN_BUSY:
                 raise self._overlap(label)
             return None
-        return Work(self, posted, label, (x, out))
+        return posted   # the engine's native comm.Work
 
     def _outcome(self, req, label: str, entry, timeout: float) -> CommError | None:
-        """Wait for a request (the transport's, or the engine's own Work); None, or the
+        """Wait for a request (the transport's, or the engine's own Request); None, or the
         CommError it ended with (the communicator poisoned, as _post does)."""
         try:
             req.wait(timeout)
         except CommError as e:
             return self._failed_op(label, e, entry)
-        except Exception as e:   # the engine's own Work raises the engine's error
-            return self._failed_op(label, self._transport.error(e), entry)
+        except Exception as e:   # the engine's own request raises the engine's error
+            return self._work_failed(label, e, entry)
         if entry is not None:
             entry[5] = "done"
         return None
+
+    def _work_failed(self, label: str, e: Exception, entry) -> CommError:
+        """The CommError of an operation whose request raised the transport's own error `e`
+        (the communicator poisoned, as _post does); the engine's native Work calls it too."""
+        return self._failed_op(label, self._transport.error(e), entry)
 
     def _reap_soon(self) -> None:
         self._reap_in -= 1

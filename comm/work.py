@@ -1,6 +1,12 @@
-"""Work: the handle of an asynchronous operation (torch.distributed's name and methods)."""
+"""Work: the handle of an asynchronous operation (torch.distributed's name and methods).
+
+The native engine's lean path (all_reduce or broadcast of one plain array) returns its own
+implementation of this class, comm._native.LeanWork (native/src/work.cc), registered as a
+comm.Work: on small messages a Python handle costs more than the operation. Both behave alike.
+"""
 from __future__ import annotations
 
+import abc
 import threading
 
 from .errors import CommError
@@ -10,7 +16,7 @@ from .errors import CommError
 _CALLBACKS = threading.Lock()
 
 
-class Work:
+class Work(metaclass=abc.ABCMeta):   # ABCMeta: LeanWork registers as a Work
     """Returned by every operation called with ``async_op=True`` (and by isend / irecv).
 
     wait(timeout=None) blocks until the operation completes (default: the communicator's
@@ -24,7 +30,7 @@ class Work:
 
     def __init__(self, comm, req, label: str, keep, entry=None):
         self._comm = comm
-        self._req = req          # the transport's request, or the engine's own Work
+        self._req = req          # the transport's request (the engine's: _native.Request)
         self._label = label      # the operation's name, for errors
         self._keep = keep        # what holds the buffers (an OpDesc, or the arrays themselves)
         self._entry = entry      # the flight recorder's line for this op (None: the engine's)

@@ -108,6 +108,74 @@ def test_wait_timeout_bounds_an_op_run_by_the_waiter():
     assert kind == "CommTimeout" and took < 3, results[0]
 
 
+def _work_forms(world):
+    """The lean path's native Work (a plain array) and the Python one (scale= takes the full
+    path) behave alike: comm.Work, callbacks once, outcome kept, failures named and kept."""
+    import gc
+    import sys
+    import weakref
+    seen = {}
+    for form, kwargs in (("lean", {}), ("full", {"scale": 1.0})):
+        x = np.full(4, world.rank + 1, np.float32)
+        calls = []
+        w = world.all_reduce(x, async_op=True, **kwargs)
+        w.add_done_callback(calls.append)          # before the end: called by wait()
+        w.wait()
+        w.add_done_callback(calls.append)          # after it: called at once
+        w.wait()                                   # a second wait returns at once
+        seen[form] = (type(w).__name__, isinstance(w, comm.Work), [c is w for c in calls],
+                      w.is_completed(), w.exception(), w.source, float(x[0]))
+        # a dropped, unwaited Work holds its buffer until the operation ends (the array has no
+        # other owner here), and one in a reference cycle is still collected
+        before = sys.getrefcount(x)
+        w = world.all_reduce(x, async_op=True, **kwargs)
+        callback = lambda _, w=w: None             # noqa: E731 (a cycle: Work -> callback -> Work)
+        w.add_done_callback(callback)
+        held = sys.getrefcount(x) > before
+        gone = weakref.ref(callback)
+        del w, callback
+        gc.collect()
+        world.barrier()
+        seen[form] += (held, float(x[0]), gone() is None)
+    # a failure: rank 1 never joins, rank 0's wait times out; the error is kept and named
+    if world.rank == 0:
+        w = world.all_reduce(np.ones(4, np.float32), async_op=True)
+        try:
+            w.wait(timeout=0.3)
+        except comm.CommTimeout as e:
+            again = None
+            try:
+                w.wait()
+            except comm.CommTimeout as e2:
+                again = e2
+            seen["failed"] = (e.rank, e.op, again is e, w.exception() is e, w.is_completed(),
+                              type(_raises(lambda: world.all_reduce(np.ones(1, np.float32)))).__name__)
+    else:
+        time.sleep(1.5)
+    return seen
+
+
+def _raises(fn):
+    try:
+        fn()
+    except comm.CommError as e:
+        return e
+    return None
+
+
+def test_work_forms_behave_alike():
+    results = run_ranks(_work_forms, 2, env={"COMM_TIMEOUT": "30"}, timeout=60, expect_errors=True)
+    for rank, seen in enumerate(results):
+        lean, full = seen["lean"], seen["full"]
+        assert lean[0] == "LeanWork" and full[0] == "Work", (lean, full)
+        for form in (lean, full):
+            assert form[1:7] == (True, [True, True], True, None, -1, 3.0), form
+            assert form[7], f"the unwaited Work did not hold its buffer: {form}"
+            assert form[8] == 6.0, form   # (the dropped op's result: 3 + 3)
+            assert form[9], f"a Work in a reference cycle was never collected: {form}"
+    assert results[0]["failed"] == (0, "all_reduce", True, True, True, "Aborted"), results[0]
+
+
 def _latency_loop(world, iters):
     x = np.ones(2, np.float32)
     big = np.ones(1 << 18, np.float32)

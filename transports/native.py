@@ -34,6 +34,7 @@ from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgumen
 from comm.ops import LEAN_BUSY, LEAN_RAN, LEAN_SKIPPED
 from comm.persistent import held_buffers
 from comm.types import DType, ReduceOp, op_allowed
+from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
 
@@ -44,6 +45,7 @@ except ImportError as _e:  # the extension was not built
     _IMPORT_ERROR = str(_e)
 else:  # the lean path checks reductions against the same table as the communicator
     _native.set_reducible([[op_allowed(op, dt) for dt in DType] for op in ReduceOp])
+    Work.register(_native.LeanWork)   # the lean path's comm.Work
     if (_native.LEAN_SKIPPED, _native.LEAN_RAN, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_RAN, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
@@ -109,7 +111,7 @@ class NativeRequest(Request):
 
 class NativePrepared:
     """A persistent collective of the engine (Engine.prepare): run(busy, timeout_s) is start +
-    wait in one native call, start(busy) the non-blocking start (the engine's own Work);
+    wait in one native call, start(busy) the non-blocking start (the engine's own Request);
     post() is the start of the general path."""
 
     __slots__ = ("run", "start", "_prepared", "_transport")

@@ -11,6 +11,7 @@
 #include <array>
 
 #include "algorithms.h"
+#include "binding.h"
 #include "engine.h"
 #include "reduce.h"
 
@@ -247,20 +248,22 @@ int run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out
   return LEAN_RAN;
 }
 
-// The lean path's asynchronous form: the posted Work, or LEAN_BUSY / LEAN_SKIPPED. The
-// caller holds x and out until the Work ends.
-nb::object post_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
-                      nb::handle root_obj) {
+// The lean path's asynchronous form: comm.Work's native form (work.cc) for the posted op of
+// communicator `comm`, named `label`, or LEAN_BUSY / LEAN_SKIPPED.
+nb::object post_array(Engine& e, nb::handle comm, nb::handle busy, int kind, nb::handle x, nb::handle out,
+                      nb::handle op_obj, nb::handle root_obj, nb::handle label) {
   OpArgs args;
   if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
   if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
+  // With the GIL held: an async post only queues (the engine's lock is never held by a thread
+  // that waits for the GIL), and releasing it costs a visible part of a small op's latency.
   std::shared_ptr<Op> op;
   {
     nb::gil_scoped_release unlocked;
     op = e.post(std::move(args), false);
   }
-  return nb::cast(std::move(op));
+  return binding::make_work(std::move(op), comm, label, x, out);
 }
 
 // One buffer of a persistent collective, as registered at set-up.
@@ -322,7 +325,7 @@ struct Prepared {
     nb::gil_scoped_release unlocked;
     return engine->post(args, blocking);
   }
-  // The non-blocking start under the communicator's `busy` lock: the Work, or None (nothing
+  // The non-blocking start under the communicator's `busy` lock: the Request, or None (nothing
   // done) when another thread holds it.
   std::shared_ptr<Op> start(nb::handle busy) {
     Busy held(busy);
@@ -349,23 +352,40 @@ bool python_signal_raised() {
   PyErr_Fetch(&raised_type, &raised_value, &raised_tb);
   return true;
 }
+
+PyObject* native_error = nullptr;  // _native.NativeError
 }  // namespace
 
+nb::object binding::engine_exception(const CommError& e) {
+  if (e.code == ErrorCode::INTERRUPTED && raised_type) {  // the handler's own exception
+    PyErr_NormalizeException(&raised_type, &raised_value, &raised_tb);
+    if (raised_tb) PyException_SetTraceback(raised_value, raised_tb);
+    nb::object exc = nb::steal(raised_value);
+    Py_XDECREF(raised_type);
+    Py_XDECREF(raised_tb);
+    raised_type = raised_value = raised_tb = nullptr;
+    return exc;
+  }
+  nb::object args = nb::make_tuple(static_cast<int>(e.code), e.peer, e.msg);
+  PyObject* exc = PyObject_CallObject(native_error, args.ptr());
+  if (!exc) throw nb::python_error();
+  return nb::steal(exc);
+}
+
+void binding::raise(nb::handle exc) {
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw nb::python_error();
+}
+
 NB_MODULE(_native, m) {
-  static PyObject* native_error =
-      PyErr_NewException("comm._native.NativeError", PyExc_RuntimeError, nullptr);
+  native_error = PyErr_NewException("comm._native.NativeError", PyExc_RuntimeError, nullptr);
   m.attr("NativeError") = nb::handle(native_error);
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
     try {
       std::rethrow_exception(p);
     } catch (const CommError& e) {
-      if (e.code == ErrorCode::INTERRUPTED && raised_type) {
-        PyErr_Restore(raised_type, raised_value, raised_tb);  // the handler's own exception
-        raised_type = raised_value = raised_tb = nullptr;
-        return;
-      }
-      nb::object args = nb::make_tuple(static_cast<int>(e.code), e.peer, e.msg);
-      PyErr_SetObject(native_error, args.ptr());
+      nb::object exc = binding::engine_exception(e);
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
     }
   });
   m.attr("ERR_TIMEOUT") = static_cast<int>(ErrorCode::TIMEOUT);
@@ -460,12 +480,13 @@ NB_MODULE(_native, m) {
            "Under the lock `busy` (False, having done nothing, when another thread holds it):\n"
            "check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
       .def("start", &Prepared::start, nb::arg("busy"),
-           "Under the lock `busy`: check the buffers and post without waiting; the Work, or None\n"
+           "Under the lock `busy`: check the buffers and post without waiting; the Request, or None\n"
            "(nothing done) when another thread holds the lock.")
       .def("post", &Prepared::post, nb::arg("blocking"),
            "Check the buffers and post; returns a Work, or None when it already ran.");
 
-  nb::class_<Op>(m, "Work")
+  binding::bind_work(m);
+  nb::class_<Op>(m, "Request")
       .def("wait", &Op::wait, nb::arg("timeout_s"), release(),
            "Wait for completion (timeout_s < 0: no limit); raises NativeError.")
       .def("test", &Op::test)  // one atomic load: not worth a GIL release
@@ -537,9 +558,10 @@ NB_MODULE(_native, m) {
            "The lean path, under the lock `busy`: LEAN_RAN when it ran the collective, LEAN_BUSY\n"
            "when another thread holds the lock, LEAN_SKIPPED when the arguments are not plain\n"
            "numpy arrays or CPU tensors with a built-in op (take the full path).")
-      .def("post_array", &post_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
-           nb::arg("op").none(), nb::arg("root").none(),
-           "run_array's asynchronous form: the posted Work, or LEAN_BUSY / LEAN_SKIPPED.")
+      .def("post_array", &post_array, nb::arg("comm"), nb::arg("busy"), nb::arg("kind"), nb::arg("x"),
+           nb::arg("out").none(), nb::arg("op").none(), nb::arg("root").none(), nb::arg("label"),
+           "run_array's asynchronous form for communicator `comm`: its comm.Work (a LeanWork),\n"
+           "or LEAN_BUSY / LEAN_SKIPPED.")
       .def(
           "prepare",
           [](nb::handle self, int kind, int dtype, int op, double scale, uintptr_t send,

@@ -1,0 +1,26 @@
+// What the files of the Python binding (module comm._native) share.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include <memory>
+
+#include "op.h"
+
+namespace comm::binding {
+
+namespace nb = nanobind;
+
+// The Python exception for an engine error: _native.NativeError(code, peer, message), or for
+// INTERRUPTED the exception a signal handler raised while the engine waited (KeyboardInterrupt).
+nb::object engine_exception(const CommError& e);
+
+// Raise `exc` (an exception instance) in Python from C++.
+[[noreturn]] void raise(nb::handle exc);
+
+// comm.Work's fast form for the engine's lean path (work.cc): a posted op, the communicator
+// that posted it, its name and the arrays it reads and writes (held until it ends).
+nb::object make_work(std::shared_ptr<Op> op, nb::handle comm, nb::handle label, nb::handle x, nb::handle out);
+void bind_work(nb::module_& m);
+
+}  // namespace comm::binding
