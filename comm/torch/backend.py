@@ -223,17 +223,26 @@ class ProcessGroupComm(dist.ProcessGroup):
             self._coalesced.append(work)
         return work
 
-    def _plain(self, op: str, run, tensors, opts, arg) -> DoneWork | None:
-        """torch's own blocking form (dist.all_reduce, dist.broadcast) on one tensor that the CPU
+    def _plain(self, op: str, run, tensors, opts, arg) -> TorchWork | None:
+        """torch's own form (dist.all_reduce, dist.broadcast) on one tensor that the CPU
         communicator takes as it is (dense, contiguous, real, on the CPU), with no timeout of its
-        own, outside a coalescing block: then `run(communicator, tensor, arg)`, its blocking call,
-        is the whole operation. None for any other call (the general path serves it)."""
-        if (not opts.asyncOp and self._coalesced is None and type(tensors) is list and len(tensors) == 1
+        own, outside a coalescing block: then `run(communicator, tensor, arg, async_op=...)`, its
+        own call, is the whole operation (blocking, or a Work left to whoever comes first, as
+        _launch leaves it). None for any other call (the general path serves it)."""
+        if (self._coalesced is None and type(tensors) is list and len(tensors) == 1
                 and opts.timeout <= _DEFAULT_TIMEOUT):
             t = tensors[0]
             comm = self._comms.get("cpu")   # None: not yet, or no longer (shut down)
             if (comm is not None and t.is_cpu and t.layout is _STRIDED and t.is_contiguous()
                     and not t.is_complex()):
+                if opts.asyncOp:
+                    work = TorchWork(self, op, [t])
+                    try:
+                        comm_work = run(comm, t, arg, async_op=True)
+                    except CommError as e:
+                        raise as_torch_error(e) from None
+                    work._defer([comm_work], self._completers["cpu"])
+                    return work
                 try:
                     run(comm, t, arg)
                 except CommError as e:

@@ -76,24 +76,30 @@ class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds `result` (the output
     tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
 
+    # Defaults as class attributes, set per work only where they differ: on small operations
+    # the Work's construction is a visible part of the latency.
+    _copies = ()        # (destination, staging) pairs to copy back on success
+    _source = -1        # receives: the sender's group rank, once known
+    _device = None      # CUDA: the future knows its device (its consumers' streams wait on it)
+    _streamed = None    # requests whose end is a CUDA event (nccl)
+    _future = None      # made on first get_future()
+    _finished = False   # the outcome is known (the future may still run callbacks)
+    _done = False       # ... and the callbacks ran: the work is complete
+    _event = None       # a threading.Event, made only for a thread that must block on _done
+    _completer = None   # the thread resolving the future right now
+    _error = None
+    _pending = None     # (comm works, Completer) not yet handed to the completion thread (_defer)
+
     def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None):
         super().__init__()
         self._pg, self._op, self._result = pg, op, result
-        self._copies = copies      # (destination, staging) pairs to copy back on success
-        self._source = source      # receives: the sender's group rank, once known
-        # CUDA: the future knows its device, so its consumers' streams wait on its events.
-        if device is not None and device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        self._device = device if device is not None and device.type == "cuda" else None
-        self._streamed: list | None = None   # requests whose end is a CUDA event (nccl)
-        self._future: torch.futures.Future | None = None   # made on first get_future()
         self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._finished = False              # the outcome is known (the future may still run callbacks)
-        self._completer: int | None = None   # the thread resolving the future right now
-        self._error: BaseException | None = None
-        # (comm works, Completer) not yet handed to the completion thread (see _defer)
-        self._pending: tuple | None = None
+        if copies:
+            self._copies = copies
+        if source >= 0:
+            self._source = source
+        if device is not None and device.type == "cuda":
+            self._device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
 
     def _defer(self, comm_works, completer: "Completer") -> None:
         """Leave the comm works to whoever comes first: wait() or is_completed() on the caller's
@@ -141,8 +147,9 @@ class TorchWork(dist.distributed_c10d.Work):
         if future is not None:
             self._resolve(future)
         with self._lock:
-            self._completer = None
-            self._done.set()
+            self._completer, self._done, event = None, True, self._event
+        if event is not None:
+            event.set()
 
     def _resolve(self, future: torch.futures.Future) -> None:
         if self._error is not None:
@@ -166,7 +173,11 @@ class TorchWork(dist.distributed_c10d.Work):
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
             limit = seconds(timeout) or self._pg.timeout + 30
-            if not self._done.wait(limit):
+            with self._lock:
+                if not self._done and self._event is None:
+                    self._event = threading.Event()
+                event = self._event
+            if event is not None and not event.wait(limit):
                 raise as_torch_error(CommTimeout(f"not completed within {limit:g} s",
                                                  rank=self._pg.rank(), op=self._op))
         if self._error is not None:
@@ -178,7 +189,7 @@ class TorchWork(dist.distributed_c10d.Work):
         if pending is not None and all(w is None or w.is_completed() for w in pending[0]):
             if (pending := self._take()) is not None:
                 self._complete(pending[0], None)   # ended: nothing blocks
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -222,11 +233,10 @@ class TorchWork(dist.distributed_c10d.Work):
 
 class DoneWork(TorchWork):
     """The work of a blocking call that succeeded, complete before it is returned. Made per
-    call, so it sets only its group, op and result; the rest are class attributes (no Event,
-    no lock of its own), and its waits return at once."""
+    call, so it sets only its group, op and result (no lock of its own), and its waits return
+    at once."""
 
-    _copies, _source, _device, _streamed, _future = (), -1, None, None, None
-    _finished, _completer, _error, _pending = True, None, None, None
+    _finished = _done = True
     _lock = threading.Lock()   # shared: only get_future() takes it, briefly
 
     def __init__(self, pg, op: str, result: list):
