@@ -256,8 +256,6 @@ nb::object post_array(Engine& e, nb::handle comm, nb::handle busy, int kind, nb:
   if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
   if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
-  // With the GIL held: an async post only queues (the engine's lock is never held by a thread
-  // that waits for the GIL), and releasing it costs a visible part of a small op's latency.
   std::shared_ptr<Op> op;
   {
     nb::gil_scoped_release unlocked;
@@ -483,7 +481,7 @@ NB_MODULE(_native, m) {
            "Under the lock `busy`: check the buffers and post without waiting; the Request, or None\n"
            "(nothing done) when another thread holds the lock.")
       .def("post", &Prepared::post, nb::arg("blocking"),
-           "Check the buffers and post; returns a Work, or None when it already ran.");
+           "Check the buffers and post; returns a Request, or None when it already ran.");
 
   binding::bind_work(m);
   nb::class_<Op>(m, "Request")
