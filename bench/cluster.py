@@ -15,6 +15,7 @@ Addresses come from 198.18.0.0/15, the range set aside for benchmarking.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -24,16 +25,32 @@ import uuid
 SUBNET = "198.18.0"   # host h is SUBNET.(h+1)/24
 
 
+_PROBE = "commprobe"   # + the creating process's pid: a probe whose creator is gone is stale
+
+
+def _remove_stale_probes() -> None:
+    """Delete probe namespaces left by a process killed between creating and deleting its own."""
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
+        pid = name[len(_PROBE):]
+        if name.startswith(_PROBE) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@functools.cache
 def unavailable() -> str | None:
-    """Why a cluster cannot be built here, or None."""
+    """Why a cluster cannot be built here, or None (probed once per process)."""
     if os.geteuid() != 0:
         return "a simulated cluster needs root (CAP_NET_ADMIN) for network namespaces"
     if shutil.which("ip") is None:
         return "a simulated cluster needs iproute2 (ip), which is not installed"
-    probe = f"commprobe{uuid.uuid4().hex[:6]}"
-    if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
-        return "cannot create network namespaces here"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    _remove_stale_probes()
+    probe = f"{_PROBE}{os.getpid()}"
+    try:
+        if subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode != 0:
+            return "cannot create network namespaces here"
+    finally:   # also after a failed add, which can leave the name behind
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

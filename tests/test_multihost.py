@@ -186,3 +186,24 @@ def test_host_lost(hosts, fault, kind):
         assert error in ("PeerFailure", "CommTimeout"), f"rank {r}: {error}"
         assert wrong == 0, f"rank {r}: {wrong} wrong results"
         assert seconds < TIMEOUT + 3, f"rank {r} took {seconds:.1f} s"
+
+
+def test_probe_namespaces_of_dead_processes_are_removed():
+    """A process killed between creating its probe namespace and deleting it leaves one
+    behind; the next probe removes it (and never one of a live process)."""
+    import subprocess
+
+    from bench import cluster
+    dead = 2 ** 22 + 1   # above the default pid_max: no process has it
+    while os.path.exists(f"/proc/{dead}"):
+        dead += 1
+    stale, live = f"commprobe{dead}", f"commprobe{os.getpid()}"
+    try:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+        cluster._remove_stale_probes()
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in names and live in names, names
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
