@@ -8,6 +8,7 @@ from __future__ import annotations
 import fcntl
 import ipaddress
 import os
+import random
 import re
 import socket
 import struct
@@ -180,7 +181,6 @@ def _ephemeral_low() -> int:
 
 def free_port() -> int:
     """A TCP port free on every address now, never one this process handed out before."""
-    import random
     low = max(1024, min(_ephemeral_low(), 65536) - 12000)
     for _ in range(1000):
         port = random.randrange(low, low + 12000)

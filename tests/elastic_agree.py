@@ -10,6 +10,7 @@ import sys
 import time
 
 from comm.elastic import Membership
+from comm.rendezvous import free_port
 from comm.store import Store
 
 N = 4
@@ -30,7 +31,7 @@ def rank_main(rank, port, flag, ready_w, out_w, go_r, end_r):
 
 
 def one_round(rng):
-    port = int(os.environ.get("BASE_PORT", "0")) or _free_port()
+    port = int(os.environ.get("BASE_PORT", "0")) or free_port()
     flags = [rng.randrange(1 << 8) | 0x100 for _ in range(N)]
     ready_r, ready_w = os.pipe()
     out_r, out_w = os.pipe()
@@ -69,11 +70,6 @@ def one_round(rng):
     for fd in (ready_r, ready_w, out_r, out_w, go_r, go_w, end_r, end_w):
         os.close(fd)
     return {"victim": victim, "flags": flags, "decisions": decisions, "s": round(time.monotonic() - t0, 3)}
-
-
-def _free_port():
-    from comm.rendezvous import free_port
-    return free_port()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import threading
 import time
 
+from comm.rendezvous import free_port  # noqa: F401  (the tests' way to pick a port, re-exported)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
@@ -70,11 +72,6 @@ class RanksFailed(AssertionError):
         self.failures = failures
         self.errors = errors or {}
         super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
-
-
-def free_port() -> int:
-    from comm.rendezvous import free_port as library_free_port   # one way to pick a port
-    return library_free_port()
 
 
 def _send(sock, obj) -> None:

@@ -17,6 +17,8 @@
 
 namespace nb = nanobind;
 using namespace comm;
+using binding::attr;
+using binding::intern;
 
 namespace {
 
@@ -36,14 +38,6 @@ struct Names {
       *is_neg, *acquire, *release;
 };
 Names g_names{};
-
-PyObject* intern(const char* name) { return PyUnicode_InternFromString(name); }
-
-nb::object attr(PyObject* obj, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(obj, name);
-  if (!r) throw nb::python_error();
-  return nb::steal(r);
-}
 
 nb::object call(PyObject* obj, PyObject* name) {
   PyObject* r = PyObject_CallMethodNoArgs(obj, name);
@@ -354,6 +348,14 @@ bool python_signal_raised() {
 PyObject* native_error = nullptr;  // _native.NativeError
 }  // namespace
 
+PyObject* binding::intern(const char* name) { return PyUnicode_InternFromString(name); }
+
+nb::object binding::attr(PyObject* obj, PyObject* name) {
+  PyObject* r = PyObject_GetAttr(obj, name);
+  if (!r) throw nb::python_error();
+  return nb::steal(r);
+}
+
 nb::object binding::engine_exception(const CommError& e) {
   if (e.code == ErrorCode::INTERRUPTED && raised_type) {  // the handler's own exception
     PyErr_NormalizeException(&raised_type, &raised_value, &raised_tb);
@@ -370,8 +372,12 @@ nb::object binding::engine_exception(const CommError& e) {
   return nb::steal(exc);
 }
 
-void binding::raise(nb::handle exc) {
+void binding::set_error(nb::handle exc) {
   PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+}
+
+void binding::raise(nb::handle exc) {
+  set_error(exc);
   throw nb::python_error();
 }
 
@@ -382,8 +388,7 @@ NB_MODULE(_native, m) {
     try {
       std::rethrow_exception(p);
     } catch (const CommError& e) {
-      nb::object exc = binding::engine_exception(e);
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+      binding::set_error(binding::engine_exception(e));
     }
   });
   m.attr("ERR_TIMEOUT") = static_cast<int>(ErrorCode::TIMEOUT);

@@ -11,11 +11,17 @@ namespace comm::binding {
 
 namespace nb = nanobind;
 
+// An interned str, for attribute and method names looked up on hot paths.
+PyObject* intern(const char* name);
+// obj.name; raises (nb::python_error) as Python would.
+nb::object attr(PyObject* obj, PyObject* name);
+
 // The Python exception for an engine error: _native.NativeError(code, peer, message), or for
 // INTERRUPTED the exception a signal handler raised while the engine waited (KeyboardInterrupt).
 nb::object engine_exception(const CommError& e);
 
-// Raise `exc` (an exception instance) in Python from C++.
+// Set Python's error indicator to `exc` (an exception instance); raise() also throws it on.
+void set_error(nb::handle exc);
 [[noreturn]] void raise(nb::handle exc);
 
 // comm.Work's fast form for the engine's lean path (work.cc): a posted op, the communicator

@@ -31,7 +31,7 @@ class Work {
   bool wait(nb::handle timeout) {
     if (!done_) {
       refuse_if_foreign();
-      const double t = nb::cast<double>(timeout.is_none() ? attr(comm_, g.timeout) : nb::borrow(timeout));
+      const double t = nb::cast<double>(timeout.is_none() ? attr(comm_.ptr(), g.timeout) : nb::borrow(timeout));
       try {
         nb::gil_scoped_release unlocked;
         op_->wait(t);
@@ -87,7 +87,7 @@ class Work {
     PyErr_Fetch(&type, &value, &tb);
     try {
       nb::object entry = nb::make_tuple(nb::cast(op_), label_, nb::make_tuple(x_, out_), nb::none());
-      PyObject* r = PyObject_CallMethodOneArg(attr(comm_, g.orphans).ptr(), g.append, entry.ptr());
+      PyObject* r = PyObject_CallMethodOneArg(attr(comm_.ptr(), g.orphans).ptr(), g.append, entry.ptr());
       if (!r) throw nb::python_error();
       Py_DECREF(r);
     } catch (nb::python_error& e) {
@@ -115,17 +115,11 @@ class Work {
   }
 
  private:
-  static nb::object attr(const nb::object& obj, PyObject* name) {
-    PyObject* r = PyObject_GetAttr(obj.ptr(), name);
-    if (!r) throw nb::python_error();
-    return nb::steal(r);
-  }
-
   nb::object self() { return nb::find(this); }
 
   void refuse_if_foreign() {
     if (!comm_.is_valid()) return;
-    if (attr(comm_, g.foreign).ptr() == Py_True) {
+    if (attr(comm_.ptr(), g.foreign).ptr() == Py_True) {
       PyObject* r = PyObject_CallMethodOneArg(comm_.ptr(), g.refuse, g.wait_str);  // raises
       Py_XDECREF(r);
       throw nb::python_error();
@@ -179,8 +173,6 @@ int work_clear(PyObject* self) {
 PyType_Slot work_slots[] = {{Py_tp_traverse, reinterpret_cast<void*>(work_traverse)},
                             {Py_tp_clear, reinterpret_cast<void*>(work_clear)},
                             {0, nullptr}};
-
-PyObject* intern(const char* s) { return PyUnicode_InternFromString(s); }
 
 }  // namespace
 
