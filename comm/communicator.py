@@ -23,7 +23,7 @@ from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      Revoked, TransportUnavailable, from_os_error)
 from .flight_recorder import FlightRecorder
-from .ops import DONE, LEAN_BUSY, LEAN_RAN, BootstrapContext, OpDesc, OpKind
+from .ops import DONE, LEAN_BUSY, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
 from .topology import Topology
 from .types import DType, PremulSum, ReduceOp, op_allowed
@@ -194,21 +194,6 @@ class Communicator:
         entry[5] = "done"
         return None
 
-    def _post_lean(self, kind: int, label: str, x, out, op, root):
-        """The async form of the lean path (one native call); None when it does not take
-        these arguments (the caller takes the full path)."""
-        if self._orphans:
-            self._reap_soon()
-        try:
-            posted = self._lean_async(self, self._busy, kind, x, out, op, root, label)
-        except BaseException as e:
-            raise self._lean_error(label, e) from None
-        if type(posted) is int:
-            if posted == LEAN_BUSY:
-                raise self._overlap(label)
-            return None
-        return posted   # the engine's native comm.Work
-
     def _outcome(self, req, label: str, entry, timeout: float) -> CommError | None:
         """Wait for a request (the transport's, or the engine's own Request); None, or the
         CommError it ended with (the communicator poisoned, as _post does)."""
@@ -335,19 +320,17 @@ class Communicator:
         """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
         lean = self._lean   # (the async lean path exists where this one does)
         if lean is not None and scale is None and self._failure is None and not self._closed:
-            if async_op:
-                work = self._post_lean(_ALL_REDUCE, "all_reduce", x, out, op, None)
-                if work is not None:
-                    return work
-            else:
-                try:
-                    done = lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout)
-                except BaseException as e:
-                    raise self._lean_error("all_reduce", e) from None
-                if done == LEAN_RAN:
-                    return None
-                if done == LEAN_BUSY:
-                    raise self._overlap("all_reduce")
+            if self._orphans:
+                self._reap_soon()
+            try:
+                done = (self._lean_async(self, self._busy, _ALL_REDUCE, x, out, op, None, "all_reduce") if async_op
+                        else lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout))
+            except BaseException as e:
+                raise self._lean_error("all_reduce", e) from None
+            if type(done) is not int:
+                return done   # it ran (None), or was posted (its comm.Work)
+            if done == LEAN_BUSY:
+                raise self._overlap("all_reduce")
         return self._post(self._all_reduce(x, op, out, scale), async_op)
 
     def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
@@ -420,19 +403,17 @@ class Communicator:
         """Copy root's x into x on every rank."""
         lean = self._lean
         if lean is not None and self._failure is None and not self._closed:
-            if async_op:
-                work = self._post_lean(_BROADCAST, "broadcast", x, None, 0, root)
-                if work is not None:
-                    return work
-            else:
-                try:
-                    done = lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout)
-                except BaseException as e:
-                    raise self._lean_error("broadcast", e) from None
-                if done == LEAN_RAN:
-                    return None
-                if done == LEAN_BUSY:
-                    raise self._overlap("broadcast")
+            if self._orphans:
+                self._reap_soon()
+            try:
+                done = (self._lean_async(self, self._busy, _BROADCAST, x, None, 0, root, "broadcast") if async_op
+                        else lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout))
+            except BaseException as e:
+                raise self._lean_error("broadcast", e) from None
+            if type(done) is not int:
+                return done   # it ran (None), or was posted (its comm.Work)
+            if done == LEAN_BUSY:
+                raise self._overlap("broadcast")
         return self._post(self._broadcast(x, root), async_op)
 
     def broadcast_init(self, x, root: int = 0) -> Persistent:

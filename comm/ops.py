@@ -107,4 +107,4 @@ class CompletedRequest(Request):
 DONE = CompletedRequest()
 
 # What a transport's lean path (run_array, see transports/base.py) did with a call.
-LEAN_SKIPPED, LEAN_RAN, LEAN_BUSY = 0, 1, 2
+LEAN_SKIPPED, LEAN_BUSY = 0, 2

@@ -30,8 +30,8 @@ class Persistent:
     operation's CommError, as Work.wait does), h() does both, close() releases the buffers.
     One operation in flight per handle: wait() before the next start()."""
 
-    # _work: the started operation: the engine's own Request (from the prepared op's start), or
-    # a comm.Work (from Communicator._post)
+    # _work: the started operation: the request of the prepared op's start (the engine's),
+    # or a comm.Work (from Communicator._post)
     __slots__ = ("_comm", "_desc", "_label", "_prepared", "_run", "_start", "_work")
 
     def __init__(self, comm, desc: OpDesc):

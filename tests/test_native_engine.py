@@ -87,6 +87,39 @@ def test_async_progresses_without_a_wait(channels):
         assert ys == [2.0 * i + 1 for i in range(20)]
 
 
+def _progress_after_quick_waits(world):
+    """A second of async ops each waited for at once (their waiters run them, so the progress
+    thread looks at the queue less and less often), then one that rank 0 leaves unwaited for
+    3 s: rank 1's blocking all_reduce must still end long before that wait."""
+    x = np.full(4, world.rank, np.int32)
+    h = world.all_reduce_init(x, op=comm.MAX)
+    end = time.monotonic() + 1.0
+    while not world.agree(int(time.monotonic() > end)):   # every rank the same number of calls
+        for _ in range(500):
+            world.all_reduce(x, op=comm.MAX, async_op=True).wait()
+            h.start()
+            h.wait()
+    world.barrier()
+    y = np.full(4, world.rank + 1, np.float32)
+    if world.rank == 0:
+        work = world.all_reduce(y, async_op=True)
+        time.sleep(3)
+        done_before_wait = work.is_completed()
+        work.wait()
+        return done_before_wait, float(y[0]), float(x[0])
+    start = time.perf_counter()
+    world.all_reduce(y)
+    return time.perf_counter() - start, float(y[0]), float(x[0])
+
+
+def test_unwaited_op_progresses_after_many_quick_waits():
+    results = run_ranks(_progress_after_quick_waits, 2, timeout=120)
+    (done_before_wait, y0, x0), (took, y1, x1) = results
+    assert done_before_wait, "rank 0's unwaited op did not complete before its wait"
+    assert took < 0.5, f"rank 1 waited {took:.2f} s for rank 0's unwaited op"
+    assert y0 == y1 == 3.0 and x0 == x1 == 1.0
+
+
 def _wait_timeout(world):
     """Rank 1 never joins: rank 0's wait, which runs the op on its own thread, ends at the
     wait's timeout, not the communicator's."""

@@ -52,12 +52,12 @@ class Transport(abc.ABC):
 
     # The lean path (optional): run_array(busy, kind, x, out, op, root, timeout_s) runs one
     # blocking all_reduce or broadcast in a single call, holding the communicator's `busy`
-    # lock (a threading.Lock, taken without blocking), and returns LEAN_RAN; or LEAN_BUSY,
+    # lock (a threading.Lock, taken without blocking), and returns None; or LEAN_BUSY,
     # having done nothing, when another thread holds the lock; or LEAN_SKIPPED, having done
     # nothing, when its arguments are not the plain case it checks for itself (the
     # communicator then validates and posts as usual). Its exceptions go through error().
-    # post_array(busy, kind, x, out, op, root) is its asynchronous form: a request (wait(timeout)
-    # and test(), exceptions through error()) instead of LEAN_RAN; the caller holds x and out.
+    # post_array(communicator, busy, kind, x, out, op, root, label) is its asynchronous form:
+    # a comm.Work that holds x and out until the operation ends, instead of None.
     run_array = None
     post_array = None
 
@@ -66,7 +66,7 @@ class Transport(abc.ABC):
         post(desc, blocking) -> Request, and optionally run(busy, timeout_s) (start + wait in
         one call under the `busy` lock as run_array takes it, False when another thread holds
         it; exceptions through error()) and start(busy) (the non-blocking post under that lock:
-        a request as post_array returns, or None when another thread holds it), that refuses
+        a request, with wait(timeout_s) and test(), or None when another thread holds it), that refuses
         buffers changed since. None: the
         communicator re-checks the buffers and posts desc on each start (the default)."""
         return None

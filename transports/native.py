@@ -31,7 +31,7 @@ import time
 from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, Revoked, TransportUnavailable)
-from comm.ops import LEAN_BUSY, LEAN_RAN, LEAN_SKIPPED
+from comm.ops import LEAN_BUSY, LEAN_SKIPPED
 from comm.persistent import held_buffers
 from comm.types import DType, ReduceOp, op_allowed
 from comm.work import Work
@@ -46,7 +46,7 @@ except ImportError as _e:  # the extension was not built
 else:  # the lean path checks reductions against the same table as the communicator
     _native.set_reducible([[op_allowed(op, dt) for dt in DType] for op in ReduceOp])
     Work.register(_native.LeanWork)   # the lean path's comm.Work
-    if (_native.LEAN_SKIPPED, _native.LEAN_RAN, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_RAN, LEAN_BUSY):
+    if (_native.LEAN_SKIPPED, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
@@ -111,8 +111,9 @@ class NativeRequest(Request):
 
 class NativePrepared:
     """A persistent collective of the engine (Engine.prepare): run(busy, timeout_s) is start +
-    wait in one native call, start(busy) the non-blocking start (the engine's own Request);
-    post() is the start of the general path."""
+    wait in one native call, start(busy) the non-blocking start (it returns the engine's
+    Prepared, whose wait / test are then the started op's); post() is the start of the
+    general path."""
 
     __slots__ = ("run", "start", "_prepared", "_transport")
 

@@ -191,9 +191,10 @@ void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
   if (auto op = e.post(std::move(args), true)) op->wait(timeout_s);
 }
 
-// What run_array did: nothing (take the full path), the collective, or nothing because
-// another thread holds the communicator (the caller raises its overlap error).
-enum Lean { LEAN_SKIPPED = 0, LEAN_RAN = 1, LEAN_BUSY = 2 };
+// Why run_array / post_array did nothing: the arguments are not the plain case (the caller
+// takes the full path), or another thread holds the communicator (the caller raises its
+// overlap error). When they did something they return None or the Work.
+enum Lean { LEAN_SKIPPED = 0, LEAN_BUSY = 2 };
 
 // The arguments of the lean path's call: all_reduce (in place or into `out`) or broadcast of
 // one plain array; false, having touched nothing, for anything else (the caller then takes
@@ -231,15 +232,15 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
 }
 
 // The lean path of the common call, posted in one native call under the communicator's
-// `busy` lock: LEAN_RAN, LEAN_BUSY or LEAN_SKIPPED (see lean_args).
-int run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
-              nb::handle root_obj, double timeout_s) {
+// `busy` lock: None when it ran, else LEAN_BUSY or LEAN_SKIPPED (see lean_args).
+nb::object run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
+                     nb::handle root_obj, double timeout_s) {
   OpArgs args;
-  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return LEAN_SKIPPED;
+  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
-  if (!held.held()) return LEAN_BUSY;
+  if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
   post_and_wait(e, std::move(args), timeout_s);
-  return LEAN_RAN;
+  return nb::none();
 }
 
 // The lean path's asynchronous form: comm.Work's native form (work.cc) for the posted op of
@@ -250,12 +251,10 @@ nb::object post_array(Engine& e, nb::handle comm, nb::handle busy, int kind, nb:
   if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
   if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
-  std::shared_ptr<Op> op;
-  {
-    nb::gil_scoped_release unlocked;
-    op = e.post(std::move(args), false);
-  }
-  return binding::make_work(std::move(op), comm, label, x, out);
+  // Posted with the GIL held: an async collective's post only queues it (Engine::post holds
+  // its lock for a few instructions and never waits for Python), and releasing the GIL
+  // around that costs more than the post.
+  return binding::make_work(e.post(std::move(args), false), comm, label, x, out);
 }
 
 // One buffer of a persistent collective, as registered at set-up.
@@ -293,12 +292,14 @@ void check_held(const Held& h) {
 }
 
 // A persistent collective of the engine: arguments checked and the algorithm chosen once
-// (Engine::prepare); each start re-checks the buffers and posts.
+// (Engine::prepare); each start re-checks the buffers and posts. After a non-blocking start
+// the handle is itself the request (wait / test), so a start builds no Python object.
 struct Prepared {
   nb::object engine_obj;  // keeps the engine alive
   Engine* engine;
   OpArgs args;
   std::vector<Held> held;
+  std::shared_ptr<Op> started;  // the last non-blocking start's op
 
   void check() const {
     for (const Held& h : held) check_held(h);
@@ -314,16 +315,37 @@ struct Prepared {
   }
   std::shared_ptr<Op> post(bool blocking) {
     check();
+    // An async collective's post only queues it: the GIL stays held (as in post_array).
+    // A blocking one runs it, and a send / receive may wait for the peer: those release it.
+    if (!blocking && args.kind != OpKind::SEND && args.kind != OpKind::RECV) return engine->post(args, false);
     nb::gil_scoped_release unlocked;
     return engine->post(args, blocking);
   }
-  // The non-blocking start under the communicator's `busy` lock: the Request, or None (nothing
-  // done) when another thread holds it.
-  std::shared_ptr<Op> start(nb::handle busy) {
+  // The non-blocking start under the communicator's `busy` lock: false (nothing done) when
+  // another thread holds it.
+  bool start(nb::handle busy) {
     Busy held(busy);
-    if (!held.held()) return nullptr;
-    return post(false);
+    if (!held.held()) return false;
+    // The last start's op is reused when it is done and only this handle holds it (the
+    // usual case; a thread still letting go of it makes a new one).
+    if (started && started->test() && started.use_count() == 1 && args.kind != OpKind::SEND &&
+        args.kind != OpKind::RECV) {
+      std::atomic_thread_fence(std::memory_order_acquire);  // after the last owner's release
+      check();
+      engine->repost(started);
+    } else {
+      started = post(false);
+    }
+    return true;
   }
+  // The last start's op, as a Request's wait / test (done when nothing was started).
+  void wait(double timeout_s) {
+    if (!started) return;
+    std::shared_ptr<Op> op = started;
+    nb::gil_scoped_release unlocked;
+    op->wait(timeout_s);
+  }
+  bool test() const { return !started || started->test(); }
 };
 
 // Python runs signal handlers only on its main thread, between bytecodes: a thread blocked in
@@ -464,7 +486,6 @@ NB_MODULE(_native, m) {
                   intern("nbytes"), intern("storage_offset"), intern("untyped_storage"),
                   intern("is_neg"), intern("acquire"), intern("release")};
   m.attr("LEAN_SKIPPED") = static_cast<int>(LEAN_SKIPPED);
-  m.attr("LEAN_RAN") = static_cast<int>(LEAN_RAN);
   m.attr("LEAN_BUSY") = static_cast<int>(LEAN_BUSY);
   g_buffer_changed = PyErr_NewException("comm._native.BufferChanged", PyExc_ValueError, nullptr);
   m.attr("BufferChanged") = nb::handle(g_buffer_changed);
@@ -482,9 +503,19 @@ NB_MODULE(_native, m) {
       .def("run", &Prepared::run, nb::arg("busy"), nb::arg("timeout_s"),
            "Under the lock `busy` (False, having done nothing, when another thread holds it):\n"
            "check the buffers, post blocking, wait; raises BufferChanged or NativeError.")
-      .def("start", &Prepared::start, nb::arg("busy"),
-           "Under the lock `busy`: check the buffers and post without waiting; the Request, or None\n"
-           "(nothing done) when another thread holds the lock.")
+      .def(
+          "start",
+          [](nb::handle_t<Prepared> self, nb::handle busy) -> nb::object {
+            if (!nb::inst_ptr<Prepared>(self)->start(busy)) return nb::none();
+            return nb::borrow(self);
+          },
+          nb::arg("busy"),
+          "Under the lock `busy`: check the buffers and post without waiting; returns this handle,\n"
+          "whose wait / test are then the started operation's, or None (nothing done) when\n"
+          "another thread holds the lock.")
+      .def("wait", &Prepared::wait, nb::arg("timeout_s"),
+           "Wait for the last start (timeout_s < 0: no limit); raises NativeError.")
+      .def("test", &Prepared::test, "Whether the last start completed (never blocks).")
       .def("post", &Prepared::post, nb::arg("blocking"),
            "Check the buffers and post; returns a Request, or None when it already ran.");
 
@@ -558,7 +589,7 @@ NB_MODULE(_native, m) {
           "completion.")
       .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("timeout_s"),
-           "The lean path, under the lock `busy`: LEAN_RAN when it ran the collective, LEAN_BUSY\n"
+           "The lean path, under the lock `busy`: None when it ran the collective, LEAN_BUSY\n"
            "when another thread holds the lock, LEAN_SKIPPED when the arguments are not plain\n"
            "numpy arrays or CPU tensors with a built-in op (take the full path).")
       .def("post_array", &post_array, nb::arg("comm"), nb::arg("busy"), nb::arg("kind"), nb::arg("x"),
@@ -576,7 +607,7 @@ NB_MODULE(_native, m) {
             OpArgs args{static_cast<OpKind>(kind), static_cast<DType>(dtype), static_cast<ReduceOp>(op),
                         scale, send, send_bytes, recv, recv_bytes, count, root, -1, 0,
                         std::move(send_counts), std::move(recv_counts)};
-            Prepared p{nb::borrow(self), &e, e.prepare(std::move(args)), {}};
+            Prepared p{nb::borrow(self), &e, e.prepare(std::move(args)), {}, nullptr};
             for (auto& [obj, ptr, nbytes, write, what] : held)
               p.held.push_back(Held{std::move(obj), ptr, nbytes, write, std::move(what)});
             return p;

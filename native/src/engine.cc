@@ -104,12 +104,7 @@ void Engine::start() {
 }
 
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
-  if (forked_.load(std::memory_order_relaxed))
-    fail(ErrorCode::CLOSED, -1, "the communicator belongs to the process that forked this one");
-  std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
-  if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
-  validate(args, comm_.rank, comm_.size);  // before it is queued: a refused op leaves no trace
+  std::unique_lock<std::mutex> lock = admit(args);
   if (args.kind == OpKind::SEND || args.kind == OpKind::RECV) {
     // Never behind the collective queue: a posted irecv must not hold up anything.
     lock.unlock();
@@ -130,36 +125,60 @@ std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
     return nullptr;
   }
   auto op = std::make_shared<Op>(std::move(args));
+  enqueue(op, blocking, lock);
+  return op;
+}
+
+void Engine::repost(const std::shared_ptr<Op>& op) {
+  std::unique_lock<std::mutex> lock = admit(op->args);
+  op->rearm();
+  enqueue(op, false, lock);
+}
+
+std::unique_lock<std::mutex> Engine::admit(const OpArgs& args) {
+  if (forked_.load(std::memory_order_relaxed))
+    fail(ErrorCode::CLOSED, -1, "the communicator belongs to the process that forked this one");
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
+  validate(args, comm_.rank, comm_.size);  // before it is queued: a refused op leaves no trace
+  return lock;
+}
+
+void Engine::enqueue(const std::shared_ptr<Op>& op, bool blocking, std::unique_lock<std::mutex>& lock) {
   op->engine = this;
   // A blocking post is waited for at once, and so, usually, is a small async one: the
-  // progress thread leaves them to their waiter for kGrace. A large one starts at once.
+  // progress thread leaves them to their waiter for kGrace after it first sees them (it
+  // stamps `due` then, saving the post a clock read). A large one starts at once.
   const bool lazy = blocking || std::max(op->args.send_bytes, op->args.recv_bytes) <= kLazyMaxBytes;
-  op->due = lazy ? Clock::now() + kGrace : Clock::time_point::min();
+  op->due = lazy ? kUnseen : kEager;
+  posts_++;
   queue_.push_back(op);
   if (!thread_.joinable()) thread_ = std::thread([this] { progress_loop(); });
   const bool notify = !lazy || !armed_;
   lock.unlock();
   if (notify) cv_.notify_all();
-  return op;
 }
 
-void Engine::run_front(std::unique_lock<std::mutex>& lock, Clock::time_point end) {
+void Engine::run_front(std::unique_lock<std::mutex>& lock, Deadline* deadline) {
   auto op = std::move(queue_.front());
   queue_.pop_front();
   busy_ = true;
   lock.unlock();
-  execute(*op, end);
+  const auto began = execute(*op, deadline);
   lock.lock();
   busy_ = false;
+  // An op that waited past its due (its waiter came late, or never): the program overlaps
+  // work with its operations, so the progress thread looks often again.
+  if (op->due != kEager && op->due <= began) slice_ = kGrace;
   idle_cv_.notify_all();  // waiters of this op and of the next; close()
   if (!queue_.empty() && queue_.front()->due <= Clock::now()) cv_.notify_all();
 }
 
 void Engine::wait(Op& op, double timeout_s) {
-  const auto start = Clock::now();
-  const auto end = timeout_s < 0 ? Clock::time_point::max()
-                                 : start + std::chrono::duration_cast<Clock::duration>(
-                                               std::chrono::duration<double>(timeout_s));
+  // The deadline is fixed by the first clock read: execute()'s when this thread runs the op
+  // at once (the usual case, which thereby reads the clock once), else before sleeping.
+  Deadline deadline{timeout_s};
   // Once close() began, only the progress thread ends queued ops (with CLOSED).
   auto claimable = [&] { return !busy_ && !queue_.empty() && !closed_; };
   auto runnable = [&] { return op.test() || claimable(); };
@@ -169,12 +188,13 @@ void Engine::wait(Op& op, double timeout_s) {
     if (claimable()) {
       // Not done, nothing running: op is still queued. Run the queue up to it, in order,
       // bounded by this wait's timeout as well as the communicator's.
-      run_front(lock, end);
+      run_front(lock, &deadline);
       continue;
     }
     // Another thread runs an op (the progress thread, or close()). It usually ends soon:
     // yield the core for a while (a futex wake-up costs tens of microseconds on a busy
     // machine), then sleep in slices that notice the timeout and signals.
+    const auto end = deadline.at(Clock::now());
     lock.unlock();
     const auto yield_until = Clock::now() + kYieldFor;
     while (!op.test() && busy_.load(std::memory_order_acquire) && Clock::now() < yield_until)
@@ -194,23 +214,35 @@ void Engine::wait(Op& op, double timeout_s) {
 
 void Engine::progress_loop() {
   std::unique_lock<std::mutex> lock(mu_);
-  int idle = 0;
+  uint64_t posts_seen = posts_;
+  auto quiet_since = Clock::now();
   while (!stopping_) {
+    const auto now = Clock::now();
+    if (posts_ != posts_seen) {  // ops were posted since the last look: stay armed
+      posts_seen = posts_;
+      quiet_since = now;
+      armed_ = true;
+    }
     if (!busy_ && !queue_.empty()) {
-      if (queue_.front()->due <= Clock::now()) {
-        run_front(lock, Clock::time_point::max());
-        idle = 0;
-      } else {
-        armed_ = true;
-        cv_.wait_until(lock, queue_.front()->due);
+      Op& front = *queue_.front();
+      if (front.due == kUnseen) front.due = now + kGrace;
+      if (front.due <= now) {
+        run_front(lock, nullptr);
+        continue;
       }
-    } else if (armed_ && idle++ < kArmedSlices) {
-      cv_.wait_for(lock, kGrace);  // a small op may be queued meanwhile without a notify
+      // Its waiter usually runs it first: look again when it is due, or a slice from now.
+      cv_.wait_until(lock, std::max(front.due, now + slice_));
+    } else if (armed_ && now - quiet_since < kArmedFor) {
+      cv_.wait_until(lock, now + slice_);  // a small op may be queued meanwhile without a notify
     } else {
       armed_ = false;
-      idle = 0;
+      slice_ = kGrace;
       cv_.wait(lock);
+      continue;
     }
+    // Nothing was left for this thread: the waiters keep up, so look less often (each look
+    // on a machine with as many busy ranks as cores takes a core from one of them).
+    slice_ = std::min(2 * slice_, std::chrono::duration_cast<Clock::duration>(kSliceMax));
   }
   for (auto& op : queue_) op->finish(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
   queue_.clear();
@@ -237,10 +269,12 @@ std::vector<RecentOp> Engine::recent_ops() const {
   return out;
 }
 
-// end: the waiting caller's own timeout, when it runs the op (the communicator's bounds it too).
-void Engine::execute(Op& op, Clock::time_point end) {
+// deadline: the waiting caller's, when it runs the op (the communicator's timeout bounds it too).
+// Returns when it began.
+Clock::time_point Engine::execute(Op& op, Deadline* deadline) {
   std::optional<CommError> error;
   const auto now = Clock::now();
+  const auto end = deadline ? deadline->at(now) : Clock::time_point::max();
   const uint64_t seq = ++comm_.coll_seq;
   RecentOp* line;
   {
@@ -273,6 +307,7 @@ void Engine::execute(Op& op, Clock::time_point end) {
     line->state = error ? "failed" : "done";
   }
   op.finish(std::move(error));
+  return now;
 }
 
 // A group of one: every collective is a local copy.

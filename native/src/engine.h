@@ -3,9 +3,9 @@
 // latency path); anything else is queued. A queued collective is run by whichever thread
 // comes first: a thread waiting for it (Engine::wait runs the queue up to it on the waiting
 // thread, so post + wait costs what the blocking call costs) or the progress thread, which
-// takes a small one only after kGrace (so an operation nobody waits for still completes:
-// posting order and progress never depend on a wait) and a large one at once (it overlaps
-// the caller's work). Send / recv bypass the queue: P2P progresses them independently (p2p.h).
+// takes a small one only kGrace after it first saw it queued (so an operation nobody waits
+// for still completes: posting order and progress never depend on a wait) and a large one
+// at once (it overlaps the caller's work). Send / recv bypass the queue: P2P progresses them independently (p2p.h).
 #pragma once
 
 #include <array>
@@ -55,6 +55,9 @@ class Engine {
 
   // Returns null when the op ran to completion on this thread (errors are thrown).
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
+  // A collective posted again without waiting (a persistent one's next start): `op` is done
+  // and nobody else holds it, so it is re-armed instead of allocating another.
+  void repost(const std::shared_ptr<Op>& op);
   // Op::wait of a queued collective: runs queued collectives on this thread, in posting
   // order, until `op` is done; spins briefly, then sleeps while another thread runs one.
   void wait(Op& op, double timeout_s);
@@ -76,12 +79,31 @@ class Engine {
   // (a copied condition variable with waiters would hang its destructor).
   void forget_after_fork();
   const char* last_algorithm() const { return last_algorithm_; }
+  bool forked() const { return forked_.load(std::memory_order_relaxed); }
   int size() const { return comm_.size; }
 
  private:
-  void execute(Op& op, Clock::time_point end = Clock::time_point::max());
+  // A waiting caller's deadline, fixed at the first clock read that needs it (a wait that runs
+  // its op at once thereby reads the clock once).
+  struct Deadline {
+    double timeout_s;            // < 0: none
+    Clock::time_point end{};     // fixed by at()
+    Clock::time_point at(Clock::time_point now) {
+      if (end == Clock::time_point{})
+        end = timeout_s < 0 ? Clock::time_point::max()
+                            : now + std::chrono::duration_cast<Clock::duration>(
+                                        std::chrono::duration<double>(timeout_s));
+      return end;
+    }
+  };
+  // The checks of every post; returns holding mu_.
+  std::unique_lock<std::mutex> admit(const OpArgs& args);
+  // Queues a collective (mu_ held on entry, released on return) and wakes the progress
+  // thread when it must take it.
+  void enqueue(const std::shared_ptr<Op>& op, bool blocking, std::unique_lock<std::mutex>& lock);
+  Clock::time_point execute(Op& op, Deadline* deadline = nullptr);
   // Pops the queue's front and runs it on this thread (mu_ held on entry and on return).
-  void run_front(std::unique_lock<std::mutex>& lock, Clock::time_point end);
+  void run_front(std::unique_lock<std::mutex>& lock, Deadline* deadline);
   void run_collective(const OpArgs& a, uint64_t seq);
   Coll describe(const OpArgs& a) const;
   void progress_loop();
@@ -93,12 +115,19 @@ class Engine {
   std::condition_variable idle_cv_;  // threads waiting for an op to end (Engine::wait, close())
   std::deque<std::shared_ptr<Op>> queue_;
   std::atomic<bool> busy_{false};  // an op is running (written under mu_; read spinning)
-  // The progress thread sleeps in slices of kGrace while small ops may be queued without a
-  // notify (saving the post a system call); after kArmedSlices idle slices it sleeps until
-  // notified, and the next post notifies it.
+  // Small ops are queued without a notify (saving the post a system call) while the
+  // progress thread is armed: it then looks at the queue every slice_, from kGrace doubling
+  // up to kSliceMax while waiters run every op before it is due (back to kGrace when one
+  // waited past its due). kArmedFor after the last post it sleeps until notified, and the
+  // next post notifies it.
   bool armed_ = false;
+  Clock::duration slice_ = kGrace;
+  uint64_t posts_ = 0;  // queued so far: the progress thread tells activity by it
   static constexpr auto kGrace = std::chrono::microseconds(200);
-  static constexpr int kArmedSlices = 100;
+  static constexpr auto kSliceMax = std::chrono::milliseconds(2);
+  static constexpr auto kArmedFor = std::chrono::milliseconds(20);
+  static constexpr Clock::time_point kUnseen = Clock::time_point::max();  // Op::due not yet stamped
+  static constexpr Clock::time_point kEager = Clock::time_point::min();   // Op::due of a large op
   // A waiter yields this long for the op another thread runs before sleeping.
   static constexpr auto kYieldFor = std::chrono::microseconds(50);
   // Up to this many bytes, an op posted asynchronously waits kGrace for its waiter to run it.

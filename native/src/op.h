@@ -51,7 +51,8 @@ class Op {
   explicit Op(OpArgs a) : args(std::move(a)) {}
   const OpArgs args;
   // A queued collective: the engine whose queue holds it (its wait runs queued collectives on
-  // the waiting thread, Engine::wait), and when the progress thread may take it instead.
+  // the waiting thread, Engine::wait), and when the progress thread may take it instead
+  // (stamped when that thread first sees it; Engine::kUnseen before, kEager: at once).
   // Null for send / recv, which P2P progresses.
   Engine* engine = nullptr;
   Clock::time_point due{};
@@ -63,6 +64,12 @@ class Op {
   // collective is run on this thread when its turn comes before the progress thread's.
   void wait(double timeout_s);
   void finish(std::optional<CommError> error);
+  // Back to posted, for Engine::repost: only while done and held by nobody else.
+  void rearm() {
+    error_.reset();
+    source = -1;
+    done_.store(false, std::memory_order_relaxed);
+  }
   void rethrow() const;
 
  private:

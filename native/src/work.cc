@@ -10,6 +10,7 @@
 #include <nanobind/stl/shared_ptr.h>
 
 #include "binding.h"
+#include "engine.h"
 
 namespace comm::binding {
 namespace {
@@ -119,7 +120,10 @@ class Work {
 
   void refuse_if_foreign() {
     if (!comm_.is_valid()) return;
-    if (attr(comm_.ptr(), g.foreign).ptr() == Py_True) {
+    // The engine is told of a fork when the communicator is (Communicator._disown): its flag
+    // is one load where the communicator's attribute is a lookup.
+    const bool foreign = op_->engine ? op_->engine->forked() : attr(comm_.ptr(), g.foreign).ptr() == Py_True;
+    if (foreign) {
       PyObject* r = PyObject_CallMethodOneArg(comm_.ptr(), g.refuse, g.wait_str);  // raises
       Py_XDECREF(r);
       throw nb::python_error();
