@@ -29,6 +29,11 @@ from .topology import Topology
 from .types import DType, PremulSum, ReduceOp, op_allowed
 from .work import Work
 
+try:   # the engine's lean calls take this lock natively (threading.Lock's acquire is a Python call)
+    from ._native import BusyLock as _BusyLock
+except ImportError:   # the extension was not built: the other transports still run
+    _BusyLock = threading.Lock
+
 SUM, PRODUCT, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.AVG
 # (op, dtype) -> allowed, precomputed: enum construction and checks cost microseconds per call,
 # and the Python layer's cost is most of a small message's latency.
@@ -67,7 +72,7 @@ class Communicator:
         self._closed = False
         self._pid = os.getpid()   # the owner: a forked child may not use it (see _disown)
         self._foreign = False
-        self._busy = threading.Lock()  # held by the thread inside a collective
+        self._busy = _BusyLock()  # held by the thread inside a collective
         _LIVE.add(self)
         self._recorder = FlightRecorder(ctx.rank, ctx.group_name, getattr(transport, "recent_ops", None))
         self._stager = None   # a comm.staging.Stager once a CUDA buffer meets a CPU-only transport

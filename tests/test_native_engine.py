@@ -337,3 +337,24 @@ def test_mismatched_collectives_fail_not_corrupt(channels):
                         timeout=60, expect_errors=True)
     assert any(kind == "Mismatch" for kind, _ in results), results
     assert all(kind != "ok" for kind, _ in results), results
+
+
+def test_busy_lock_is_a_lock():
+    """The communicator's one-collective-at-a-time lock, which the engine's lean calls take
+    natively: Lock semantics (non-blocking and blocking acquire, release, misuse refused)."""
+    import threading
+    from comm._native import BusyLock
+    lock = BusyLock()
+    assert lock.acquire(False) and lock.locked()
+    assert not lock.acquire(False)
+    got = []
+    t = threading.Thread(target=lambda: got.append(lock.acquire()))   # blocks until released
+    t.start()
+    time.sleep(0.1)
+    assert not got
+    lock.release()
+    t.join(5)
+    assert got == [True] and lock.locked()
+    lock.release()
+    with pytest.raises(RuntimeError):
+        lock.release()

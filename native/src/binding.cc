@@ -9,6 +9,9 @@
 #include <nanobind/stl/vector.h>
 
 #include <array>
+#include <atomic>
+
+#include <sched.h>
 
 #include "algorithms.h"
 #include "binding.h"
@@ -45,13 +48,39 @@ nb::object call(PyObject* obj, PyObject* name) {
   return nb::steal(r);
 }
 
-// The communicator's one-collective-at-a-time lock (a threading.Lock), taken without
-// blocking for the whole of a lean or persistent call, as Communicator._post takes it.
-// Taking it here rather than in Python saves a Python frame per call: small-message
-// latency is mostly Python's per-call cost.
+// The communicator's one-collective-at-a-time lock: a BusyLock, which the lean and
+// persistent calls take with one atomic exchange (a threading.Lock's acquire through Python
+// costs a method call, argument parsing and a clock read per call); any other lock object
+// is taken through its Python methods.
+struct BusyLock {
+  std::atomic<bool> held{false};
+  bool try_acquire() { return !held.exchange(true, std::memory_order_acquire); }
+  // Python's Lock.acquire(blocking): a blocking one yields (GIL released) until it is free.
+  bool acquire(bool blocking) {
+    if (try_acquire()) return true;
+    if (!blocking) return false;
+    nb::gil_scoped_release unlocked;
+    while (!try_acquire()) sched_yield();
+    return true;
+  }
+  void release() {
+    if (!held.exchange(false, std::memory_order_release))
+      throw std::runtime_error("release unlocked lock");
+  }
+};
+PyTypeObject* g_busy_lock_type = nullptr;
+
+// Held for the whole of a lean or persistent call, taken without blocking, as
+// Communicator._post takes it. Taking it here rather than in Python saves a Python frame
+// per call: small-message latency is mostly Python's per-call cost.
 class Busy {
  public:
   explicit Busy(nb::handle lock) : lock_(lock.ptr()) {
+    if (Py_TYPE(lock_) == g_busy_lock_type) {
+      native_ = nb::inst_ptr<BusyLock>(lock);
+      held_ = native_->try_acquire();
+      return;
+    }
     PyObject* got = PyObject_CallMethodOneArg(lock_, g_names.acquire, Py_False);
     if (!got) throw nb::python_error();
     held_ = got == Py_True;
@@ -59,6 +88,10 @@ class Busy {
   }
   ~Busy() {
     if (!held_) return;
+    if (native_) {
+      native_->held.store(false, std::memory_order_release);
+      return;
+    }
     // Never throws: an exception may be on its way out (it is held by nb::python_error,
     // not by the interpreter's error indicator, so this call may run).
     PyObject* r = PyObject_CallMethodNoArgs(lock_, g_names.release);
@@ -71,6 +104,7 @@ class Busy {
 
  private:
   PyObject* lock_;
+  BusyLock* native_ = nullptr;
   bool held_ = false;
 };
 
@@ -518,6 +552,13 @@ NB_MODULE(_native, m) {
       .def("test", &Prepared::test, "Whether the last start completed (never blocks).")
       .def("post", &Prepared::post, nb::arg("blocking"),
            "Check the buffers and post; returns a Request, or None when it already ran.");
+
+  nb::class_<BusyLock>(m, "BusyLock", "A non-reentrant lock, as threading.Lock, that the engine's lean calls take natively.")
+      .def(nb::init<>())
+      .def("acquire", &BusyLock::acquire, nb::arg("blocking") = true)
+      .def("release", &BusyLock::release)
+      .def("locked", [](const BusyLock& l) { return l.held.load(); });
+  g_busy_lock_type = reinterpret_cast<PyTypeObject*>(nb::type<BusyLock>().ptr());
 
   binding::bind_work(m);
   nb::class_<Op>(m, "Request")
