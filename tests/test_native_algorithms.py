@@ -185,8 +185,9 @@ def test_half_reductions_are_rounded_once_per_step(cluster, count):
 
 
 def all_to_all_sizes(world):
-    """Uneven all_to_all whose largest input fits a slot, passes it (the pairwise exchange)
-    and passes the single-copy threshold; returns problems and the algorithms the engine named."""
+    """Uneven all_to_all whose largest input fits a slot, and past it (single-copy reads, or the
+    pairwise exchange where they are not allowed); returns problems and the algorithms the
+    engine named."""
     n, r = world.size, world.rank
     problems, used = [], []
     for width in (16, 1 << 16, 1 << 20):   # rows of float32: 64 B, 256 KiB, 4 MiB

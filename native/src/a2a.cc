@@ -5,11 +5,15 @@
 // with Mismatch on both, after every other block arrived, as in the pairwise exchange):
 //   - every input was published: copy this rank's blocks out of the slots (one round, one
 //     copy in and one out; small messages);
-//   - the largest input is >= kSingleCopyMin and process_vm_readv is allowed: read this
-//     rank's blocks straight out of the peers' inputs (one copy), then one round so nobody
-//     returns while being read;
-//   - else the pairwise exchange over the channels (its pipelined copies beat one
-//     process_vm_readv with its page pinning while the data fits in cache).
+//   - else, where process_vm_readv is allowed: read this rank's blocks straight out of the
+//     peers' inputs (one copy), then one round so nobody returns while being read;
+//   - else the pairwise exchange over the channels.
+// The pairwise exchange through the rings beats the reads by up to 40% while both ranks'
+// cores share their caches, but where they do not (another socket; on the shared test
+// machine, for minutes at a time) each ring copy reads lines the other core has just written
+// and runs at a quarter of its speed, while the reads, of inputs written long before, keep
+// theirs: 2 ranks, 1 MiB, 1.8 against 6-7 GB/s busbw in such a window, 10.3 against 7.4
+// outside it. The reads are the choice that is never slow.
 #include <cstring>
 
 #include "algorithms.h"
@@ -18,9 +22,6 @@ namespace comm {
 
 namespace {
 
-// Below this largest input the pairwise exchange wins (2 ranks, shared memory: see
-// ALGORITHMS.md for the measurements).
-constexpr size_t kSingleCopyMin = 8 << 20;
 constexpr uint64_t kNotPublished = ~uint64_t{0};
 
 struct Layout {
@@ -70,7 +71,6 @@ void local_all_to_all(Comm& c, const Coll& op, bool may_copy) {
   c.publish_round(round);
   c.wait_round(round);
   bool all_published = true;
-  size_t largest = 0;
   for (int p = 0; p < n; p++) {
     WireHeader theirs = c.shm->slot(p, round)->hdr;
     if (p != me) {
@@ -79,7 +79,6 @@ void local_all_to_all(Comm& c, const Coll& op, bool may_copy) {
       check_header(theirs, want, p);
     }
     all_published &= theirs.len != kNotPublished;
-    largest = std::max(largest, offset_in(sends_of(c, p, round), n, op.elem));
   }
   // A pair that disagrees fails on both its ranks, after this rank's other blocks arrived
   // (and its part of the last round ran), so no other rank waits or misses a block.
@@ -97,7 +96,7 @@ void local_all_to_all(Comm& c, const Coll& op, bool may_copy) {
                     c.shm->slot_data(p, round) + lay.splits_bytes() + offset_in(sends_of(c, p, round), me, op.elem),
                     expects[p] * op.elem);
     // The slot of this round is overwritten only after every rank reached the next.
-  } else if (c.cma && (!may_copy || largest >= kSingleCopyMin)) {
+  } else if (c.cma) {
     for (int p = 0; p < n; p++)
       if (ok(p))
         read_peer(c, p, c.shm->slot(p, round)->send_addr + offset_in(sends_of(c, p, round), me, op.elem),
