@@ -40,6 +40,9 @@ SUM, PRODUCT, MIN, MAX, AVG = ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MIN, Redu
 _REDUCE_OPS = {op: op for op in ReduceOp}
 _ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
 _ALL_REDUCE, _BROADCAST = int(OpKind.ALL_REDUCE), int(OpKind.BROADCAST)  # plain ints: no enum lookups
+_ALL_GATHER, _REDUCE_SCATTER = int(OpKind.ALL_GATHER), int(OpKind.REDUCE_SCATTER)
+_ALL_GATHER_V, _REDUCE_SCATTER_V = int(OpKind.ALL_GATHER_V), int(OpKind.REDUCE_SCATTER_V)
+_SKIPPED = object()   # _lean_call: the lean path did not take the call
 
 
 def _integer(v) -> int:
@@ -199,6 +202,27 @@ class Communicator:
         entry[5] = "done"
         return None
 
+    def _lean_call(self, kind: int, label: str, x, out, op, root, counts, async_op: bool):
+        """The transport's lean path for one call (see transports/base.py): None when it ran,
+        its Work when posted, _SKIPPED when it does not take these arguments (the caller then
+        takes the full path, whose checks name any problem). all_reduce inlines this: it is
+        the latency path, and a Python frame is a tenth of its cost."""
+        lean = self._lean
+        if lean is None or self._failure is not None or self._closed:
+            return _SKIPPED
+        if self._orphans:
+            self._reap_soon()
+        try:
+            done = (self._lean_async(self, self._busy, kind, x, out, op, root, counts, label) if async_op
+                    else lean(self._busy, kind, x, out, op, root, counts, self.timeout))
+        except BaseException as e:
+            raise self._lean_error(label, e) from None
+        if type(done) is not int:
+            return done
+        if done == LEAN_BUSY:
+            raise self._overlap(label)
+        return _SKIPPED
+
     def _outcome(self, req, label: str, entry, timeout: float) -> CommError | None:
         """Wait for a request (the transport's, or the engine's own Request); None, or the
         CommError it ended with (the communicator poisoned, as _post does)."""
@@ -328,8 +352,8 @@ class Communicator:
             if self._orphans:
                 self._reap_soon()
             try:
-                done = (self._lean_async(self, self._busy, _ALL_REDUCE, x, out, op, None, "all_reduce") if async_op
-                        else lean(self._busy, _ALL_REDUCE, x, out, op, None, self.timeout))
+                done = (self._lean_async(self, self._busy, _ALL_REDUCE, x, out, op, None, None, "all_reduce")
+                        if async_op else lean(self._busy, _ALL_REDUCE, x, out, op, None, None, self.timeout))
             except BaseException as e:
                 raise self._lean_error("all_reduce", e) from None
             if type(done) is not int:
@@ -355,6 +379,10 @@ class Communicator:
 
     def reduce_scatter(self, out, x, op=SUM, *, scale: float | None = None, async_op: bool = False):
         """Reduce x (size * len(out) elements) over all ranks; rank r gets block r in `out`."""
+        if scale is None:
+            done = self._lean_call(_REDUCE_SCATTER, "reduce_scatter", x, out, op, None, None, async_op)
+            if done is not _SKIPPED:
+                return done
         return self._post(self._reduce_scatter(out, x, op, scale), async_op)
 
     def reduce_scatter_init(self, out, x, op=SUM, *, scale: float | None = None) -> Persistent:
@@ -372,6 +400,9 @@ class Communicator:
 
     def all_gather(self, out, x, *, async_op: bool = False):
         """Concatenate every rank's x, in rank order, into `out` (size * len(x) elements)."""
+        done = self._lean_call(_ALL_GATHER, "all_gather", x, out, None, None, None, async_op)
+        if done is not _SKIPPED:
+            return done
         return self._post(self._all_gather(out, x), async_op)
 
     def all_gather_init(self, out, x) -> Persistent:
@@ -389,6 +420,9 @@ class Communicator:
     def all_gather_v(self, out, x, counts, *, async_op: bool = False):
         """Blocks of any size: rank r's x (counts[r] rows) lands at rows sum(counts[:r]) of `out`
         on every rank (MPI's Allgatherv). counts: the same list on every rank; zeros allowed."""
+        done = self._lean_call(_ALL_GATHER_V, "all_gather_v", x, out, None, None, counts, async_op)
+        if done is not _SKIPPED:
+            return done
         return self._post(vcollectives.all_gather_v(self, out, x, counts), async_op)
 
     def all_gather_v_init(self, out, x, counts) -> Persistent:
@@ -398,6 +432,10 @@ class Communicator:
     def reduce_scatter_v(self, out, x, counts, op=SUM, *, scale: float | None = None, async_op: bool = False):
         """Reduce x (sum(counts) rows) over all ranks; rank r gets rows sum(counts[:r]) ..
         sum(counts[:r+1]) in `out` (counts[r] rows; MPI's Reduce_scatter)."""
+        if scale is None:
+            done = self._lean_call(_REDUCE_SCATTER_V, "reduce_scatter_v", x, out, op, None, counts, async_op)
+            if done is not _SKIPPED:
+                return done
         return self._post(vcollectives.reduce_scatter_v(self, out, x, counts, op, scale), async_op)
 
     def reduce_scatter_v_init(self, out, x, counts, op=SUM, *, scale: float | None = None) -> Persistent:
@@ -406,19 +444,9 @@ class Communicator:
 
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Copy root's x into x on every rank."""
-        lean = self._lean
-        if lean is not None and self._failure is None and not self._closed:
-            if self._orphans:
-                self._reap_soon()
-            try:
-                done = (self._lean_async(self, self._busy, _BROADCAST, x, None, 0, root, "broadcast") if async_op
-                        else lean(self._busy, _BROADCAST, x, None, 0, root, self.timeout))
-            except BaseException as e:
-                raise self._lean_error("broadcast", e) from None
-            if type(done) is not int:
-                return done   # it ran (None), or was posted (its comm.Work)
-            if done == LEAN_BUSY:
-                raise self._overlap("broadcast")
+        done = self._lean_call(_BROADCAST, "broadcast", x, None, 0, root, None, async_op)
+        if done is not _SKIPPED:
+            return done
         return self._post(self._broadcast(x, root), async_op)
 
     def broadcast_init(self, x, root: int = 0) -> Persistent:

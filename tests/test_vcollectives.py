@@ -42,3 +42,48 @@ def test_counts_disagree_is_a_mismatch_naming_both(rows, env):
         mine = f"[{rows}, {rows + 1}]" if r == 1 else f"[{rows}, {rows}]"
         theirs = f"[{rows}, {rows + 1}]" if other == 1 else f"[{rows}, {rows}]"
         assert f"rank {other} passed counts {theirs}, rank {r} passed {mine}" in text, text
+
+
+def lean_and_full(world):
+    """The engine's one-call path (1-D arrays, counts as a list of ints) and the full path
+    (counts as numpy integers, or rows of 2) give the same results, blocking and async; the
+    async form is a comm.Work that holds its buffers."""
+    n, r = world.size, world.rank
+    counts = [3 + 2 * q for q in range(n)]
+    total = sum(counts)
+    results = {}
+    for form, cs, shape in (("lean", counts, ()), ("numpy ints", np.array(counts), ()), ("rows", counts, (2,))):
+        mine = np.arange(counts[r] * (shape[0] if shape else 1), dtype=np.float32).reshape((counts[r],) + shape) + r
+        gathered = np.zeros((total,) + shape, np.float32)
+        w = world.all_gather_v(gathered, mine, cs, async_op=True)
+        assert isinstance(w, comm.Work)
+        w.wait()
+        full = np.arange(total * (shape[0] if shape else 1), dtype=np.float32).reshape((total,) + shape)
+        scattered = np.zeros((counts[r],) + shape, np.float32)
+        world.reduce_scatter_v(scattered, full, cs)
+        even_in = np.full(4 * n, r + 1.0, np.float32)
+        even_out = np.zeros(4, np.float32)
+        world.reduce_scatter(even_out, even_in, async_op=True).wait()
+        ag = np.zeros(4 * n, np.float32)
+        world.all_gather(ag, np.full(4, float(r), np.float32))
+        results[form] = (gathered.tolist(), scattered.tolist(), even_out.tolist(), ag.tolist())
+    try:
+        world.reduce_scatter_v(np.zeros(1, np.float32), np.zeros(1, np.float32), [2 ** 70] * n)
+        refused = None
+    except comm.InvalidArgument as e:
+        refused = str(e)
+    return results, refused
+
+
+@needs_native
+def test_lean_path_matches_the_full_path():
+    for r, (results, refused) in enumerate(run_ranks(lean_and_full, 2)):
+        lean = results["lean"]
+        assert results["numpy ints"] == lean
+        g, s, e, a = lean
+        assert e == [3.0] * 4 and a == [0.0] * 4 + [1.0] * 4
+        assert s == [2.0 * i for i in range(3 * r, 3 * r + 3 + 2 * r)]
+        assert len(g) == 3 + 5 and g[:3] == [0.0, 1.0, 2.0] and g[3:] == [1.0, 2.0, 3.0, 4.0, 5.0]
+        rg = results["rows"][0]
+        assert len(rg) == 8 and rg[0] == [0.0, 1.0] and rg[3] == [1.0, 2.0]
+        assert refused and "reduce_scatter_v" in refused, refused

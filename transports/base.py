@@ -50,13 +50,14 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post(self, desc: OpDesc, blocking: bool) -> Request: ...
 
-    # The lean path (optional): run_array(busy, kind, x, out, op, root, timeout_s) runs one
-    # blocking all_reduce or broadcast in a single call, holding the communicator's `busy`
-    # lock (a threading.Lock, taken without blocking), and returns None; or LEAN_BUSY,
+    # The lean path (optional): run_array(busy, kind, x, out, op, root, counts, timeout_s) runs
+    # one blocking all_reduce, broadcast, all_gather, reduce_scatter, all_gather_v or
+    # reduce_scatter_v (the last two with `counts`, else None) in a single call, holding the
+    # communicator's `busy` lock (taken without blocking), and returns None; or LEAN_BUSY,
     # having done nothing, when another thread holds the lock; or LEAN_SKIPPED, having done
     # nothing, when its arguments are not the plain case it checks for itself (the
     # communicator then validates and posts as usual). Its exceptions go through error().
-    # post_array(communicator, busy, kind, x, out, op, root, label) is its asynchronous form:
+    # post_array(communicator, busy, kind, x, out, op, root, counts, label) is its asynchronous form:
     # a comm.Work that holds x and out until the operation ends, instead of None.
     run_array = None
     post_array = None

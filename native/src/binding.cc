@@ -38,7 +38,7 @@ PyObject* g_buffer_changed = nullptr;  // _native.BufferChanged
 // would be turned into a new str object on every access.
 struct Names {
   PyObject *is_cpu, *dtype, *is_contiguous, *data_ptr, *nbytes, *storage_offset, *untyped_storage,
-      *is_neg, *acquire, *release;
+      *is_neg, *acquire, *release, *dim;
 };
 Names g_names{};
 
@@ -187,10 +187,11 @@ struct Array {
 // A plain array usable as-is: exactly numpy.ndarray (C-contiguous, a supported dtype,
 // writable when it will be written; read through the buffer protocol) or exactly a
 // contiguous CPU torch.Tensor. False for anything else, with no Python error set.
-bool plain_array(PyObject* obj, bool writable, Array* out) {
+bool plain_array(PyObject* obj, bool writable, Array* out, bool one_dim = false) {
   if (Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_ndarray)) {
     View view(obj, writable);
     if (!view.ok || !view.contiguous() || !dtype_of(view.v, &out->dtype)) return false;
+    if (one_dim && view.v.ndim != 1) return false;
     out->ptr = reinterpret_cast<uintptr_t>(view.v.buf);
     out->bytes = static_cast<uint64_t>(view.v.len);
     return true;  // the caller holds obj for the whole call: the memory stays
@@ -212,6 +213,7 @@ bool plain_array(PyObject* obj, bool writable, Array* out) {
     const auto offset = nb::cast<uint64_t>(call(obj, n.storage_offset)) * itemsize(static_cast<DType>(i));
     if (nb::cast<uint64_t>(call(call(obj, n.untyped_storage).ptr(), n.nbytes)) < offset + bytes) return false;
     if (call(obj, n.is_neg).ptr() != Py_False) return false;
+    if (one_dim && nb::cast<long>(call(obj, n.dim)) != 1) return false;
     *out = Array{ptr, bytes, static_cast<DType>(i)};
     return true;
   } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
@@ -230,35 +232,85 @@ void post_and_wait(Engine& e, OpArgs args, double timeout_s) {
 // overlap error). When they did something they return None or the Work.
 enum Lean { LEAN_SKIPPED = 0, LEAN_BUSY = 2 };
 
+// counts of a v-collective: a list or tuple of non-negative Python ints, one per rank; false
+// (touching nothing) for anything else.
+bool lean_counts(nb::handle counts, int size, std::vector<uint64_t>* out) {
+  PyObject* seq = counts.ptr();
+  if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return false;
+  if (PySequence_Fast_GET_SIZE(seq) != size) return false;
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out->resize(size);
+  for (int i = 0; i < size; i++) {
+    if (!PyLong_CheckExact(items[i])) return false;
+    const long long k = PyLong_AsLongLong(items[i]);
+    if (k < 0) {  // negative, or past 64 bits (an error then)
+      PyErr_Clear();
+      return false;
+    }
+    (*out)[i] = static_cast<uint64_t>(k);
+  }
+  return true;
+}
+
 // The arguments of the lean path's call: all_reduce (in place or into `out`) or broadcast of
-// one plain array; false, having touched nothing, for anything else (the caller then takes
-// the full path, whose checks name the problem).
+// one plain array, all_gather / reduce_scatter between two, or all_gather_v /
+// reduce_scatter_v between plain 1-D arrays with `counts`;
+// false, having touched nothing, for anything else (the caller then takes the full path,
+// whose checks name the problem).
 bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj, nb::handle root_obj,
-               OpArgs* args) {
+               nb::handle counts, OpArgs* args) {
   const auto k = static_cast<OpKind>(kind);
-  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST) return false;
-  if (!PyLong_Check(op_obj.ptr()) || (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())))
-    return false;
-  const long op = PyLong_AsLong(op_obj.ptr());
+  const bool v = k == OpKind::ALL_GATHER_V || k == OpKind::REDUCE_SCATTER_V;
+  const bool even = k == OpKind::ALL_GATHER || k == OpKind::REDUCE_SCATTER;  // blocks of one size
+  const bool reduces = k == OpKind::ALL_REDUCE || k == OpKind::REDUCE_SCATTER || k == OpKind::REDUCE_SCATTER_V;
+  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST && !v && !even) return false;
+  if (reduces && !PyLong_Check(op_obj.ptr())) return false;
+  if (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())) return false;
+  const long op = reduces ? PyLong_AsLong(op_obj.ptr()) : 0;
   const long root = root_obj.is_none() ? 0 : PyLong_AsLong(root_obj.ptr());
   if (PyErr_Occurred()) {
     PyErr_Clear();
     return false;
   }
+  std::vector<uint64_t> elems;
+  if (v && !lean_counts(counts, e.size(), &elems)) return false;
   const bool in_place = out.is_none();
+  if ((v || even) && in_place) return false;
   Array send, recv;
-  if (!plain_array(x.ptr(), in_place, &send)) return false;
+  if (!plain_array(x.ptr(), in_place, &send, v)) return false;
   recv = send;
-  if (!in_place && (!plain_array(out.ptr(), true, &recv) || recv.dtype != send.dtype || recv.bytes != send.bytes))
+  if (!in_place && (!plain_array(out.ptr(), true, &recv, v) || recv.dtype != send.dtype)) return false;
+  const size_t elem = itemsize(send.dtype);
+  uint64_t count = send.bytes / elem;
+  if (v) {
+    // 1-D: counts are elements. Every size is checked against the arrays' own (no product
+    // can overflow: each count is at most an array's element count).
+    uint64_t total = 0;
+    const uint64_t longest = std::max(send.bytes, recv.bytes) / elem;
+    for (uint64_t c : elems) {
+      if (c > longest || (total += c) > longest) return false;
+    }
+    const uint64_t mine = elems[e.rank()];
+    const bool gathers = k == OpKind::ALL_GATHER_V;
+    if (send.bytes != (gathers ? mine : total) * elem || recv.bytes != (gathers ? total : mine) * elem)
+      return false;
+    count = mine;
+  } else if (even) {
+    const uint64_t n = static_cast<uint64_t>(e.size());
+    const bool gathers = k == OpKind::ALL_GATHER;
+    if ((gathers ? recv.bytes : send.bytes) != n * (gathers ? send.bytes : recv.bytes)) return false;
+    count = (gathers ? send.bytes : recv.bytes) / elem;
+  } else if (!in_place && recv.bytes != send.bytes) {
     return false;
+  }
   *args = OpArgs{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
-                 send.bytes / itemsize(send.dtype), 0, -1, 0, {}, {}};
-  if (k == OpKind::ALL_REDUCE) {
+                 count, 0, -1, 0, {}, std::move(elems)};
+  if (reduces) {
     if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
         !g_reducible[op][static_cast<size_t>(send.dtype)])
       return false;
     args->op = static_cast<ReduceOp>(op);
-  } else {
+  } else if (k == OpKind::BROADCAST) {
     if (!in_place || root < 0 || root >= e.size()) return false;
     args->root = static_cast<int>(root);
   }
@@ -268,9 +320,9 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
 // The lean path of the common call, posted in one native call under the communicator's
 // `busy` lock: None when it ran, else LEAN_BUSY or LEAN_SKIPPED (see lean_args).
 nb::object run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::handle out, nb::handle op_obj,
-                     nb::handle root_obj, double timeout_s) {
+                     nb::handle root_obj, nb::handle counts, double timeout_s) {
   OpArgs args;
-  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
+  if (!lean_args(e, kind, x, out, op_obj, root_obj, counts, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
   if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
   post_and_wait(e, std::move(args), timeout_s);
@@ -280,9 +332,9 @@ nb::object run_array(Engine& e, nb::handle busy, int kind, nb::handle x, nb::han
 // The lean path's asynchronous form: comm.Work's native form (work.cc) for the posted op of
 // communicator `comm`, named `label`, or LEAN_BUSY / LEAN_SKIPPED.
 nb::object post_array(Engine& e, nb::handle comm, nb::handle busy, int kind, nb::handle x, nb::handle out,
-                      nb::handle op_obj, nb::handle root_obj, nb::handle label) {
+                      nb::handle op_obj, nb::handle root_obj, nb::handle counts, nb::handle label) {
   OpArgs args;
-  if (!lean_args(e, kind, x, out, op_obj, root_obj, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
+  if (!lean_args(e, kind, x, out, op_obj, root_obj, counts, &args)) return nb::int_(static_cast<int>(LEAN_SKIPPED));
   Busy held(busy);
   if (!held.held()) return nb::int_(static_cast<int>(LEAN_BUSY));
   // Posted with the GIL held: an async collective's post only queues it (Engine::post holds
@@ -518,7 +570,7 @@ NB_MODULE(_native, m) {
 
   g_names = Names{intern("is_cpu"), intern("dtype"), intern("is_contiguous"), intern("data_ptr"),
                   intern("nbytes"), intern("storage_offset"), intern("untyped_storage"),
-                  intern("is_neg"), intern("acquire"), intern("release")};
+                  intern("is_neg"), intern("acquire"), intern("release"), intern("dim")};
   m.attr("LEAN_SKIPPED") = static_cast<int>(LEAN_SKIPPED);
   m.attr("LEAN_BUSY") = static_cast<int>(LEAN_BUSY);
   g_buffer_changed = PyErr_NewException("comm._native.BufferChanged", PyExc_ValueError, nullptr);
@@ -629,12 +681,14 @@ NB_MODULE(_native, m) {
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
           "completion.")
       .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
-           nb::arg("op").none(), nb::arg("root").none(), nb::arg("timeout_s"),
+           nb::arg("op").none(), nb::arg("root").none(), nb::arg("counts").none(), nb::arg("timeout_s"),
            "The lean path, under the lock `busy`: None when it ran the collective, LEAN_BUSY\n"
            "when another thread holds the lock, LEAN_SKIPPED when the arguments are not plain\n"
-           "numpy arrays or CPU tensors with a built-in op (take the full path).")
+           "numpy arrays or CPU tensors of matching sizes with a built-in op (for a v-collective\n"
+           "1-D ones and `counts`, a list of ints); then take the full path.")
       .def("post_array", &post_array, nb::arg("comm"), nb::arg("busy"), nb::arg("kind"), nb::arg("x"),
-           nb::arg("out").none(), nb::arg("op").none(), nb::arg("root").none(), nb::arg("label"),
+           nb::arg("out").none(), nb::arg("op").none(), nb::arg("root").none(), nb::arg("counts").none(),
+           nb::arg("label"),
            "run_array's asynchronous form for communicator `comm`: its comm.Work (a LeanWork),\n"
            "or LEAN_BUSY / LEAN_SKIPPED.")
       .def(

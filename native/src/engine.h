@@ -81,6 +81,7 @@ class Engine {
   const char* last_algorithm() const { return last_algorithm_; }
   bool forked() const { return forked_.load(std::memory_order_relaxed); }
   int size() const { return comm_.size; }
+  int rank() const { return comm_.rank; }
 
  private:
   // A waiting caller's deadline, fixed at the first clock read that needs it (a wait that runs
