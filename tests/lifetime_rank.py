@@ -53,12 +53,13 @@ def exit_kinds(world) -> None:
     assert kind == "return"
 
 
-def _in_child(world, work) -> None:
+def _in_child(world, work, lean) -> None:
     """Every use of the parent's communicator is refused in a forked child."""
     x = np.full(4, 1000, np.float32)
     uses = {"all_reduce": lambda: world.all_reduce(x), "barrier": world.barrier,
             "send": lambda: world.send(x, 1), "split": lambda: world.split(0),
-            "abort": world.abort, "wait": work.wait, "all_reduce_async": lambda: world.all_reduce(x, async_op=True)}
+            "abort": world.abort, "wait": work.wait, "lean_wait": lean.wait,
+            "all_reduce_async": lambda: world.all_reduce(x, async_op=True)}
     for name, use in uses.items():
         try:
             use()
@@ -75,18 +76,22 @@ def fork(world) -> None:
     x = np.full(4, RANK + 1, np.float32)
     if RANK == 0:
         work = world.barrier(async_op=True)  # in flight across the fork (rank 1 joins later)
+        y = np.full(4, 5, np.float32)
+        lean = world.all_reduce(y, async_op=True)  # the engine's native Work, in flight too
         pid = os.fork()
         if pid == 0:
-            _in_child(world, work)
+            _in_child(world, work, lean)
         start = time.monotonic()
         while os.waitpid(pid, os.WNOHANG) == (0, 0) and time.monotonic() - start < 20:
             time.sleep(0.01)
         report(child_exited_after=time.monotonic() - start)
         world.send(np.zeros(1, np.float32), 1)  # the child is done: rank 1 may go on
         work.wait()
+        lean.wait()
     else:
         world.recv(np.zeros(1, np.float32), 0)
         world.barrier()
+        world.all_reduce(np.full(4, 5, np.float32))
     world.all_reduce(x)
     report(result=x.tolist())
     world.barrier()

@@ -97,7 +97,7 @@ def test_fork_child_is_refused_and_parent_unaffected(channels):
     parent = [line for line in reports[0] if not line.get("child")]
     parent_pid = parent[0]["pid"]
     assert {c["use"] for c in child} == {"all_reduce", "barrier", "send", "split", "abort", "wait",
-                                         "all_reduce_async"}, child
+                                         "lean_wait", "all_reduce_async"}, child
     for c in child:
         assert c["error"] == "CommError" and f"belongs to pid {parent_pid}" in c["text"], c
     assert parent[0]["child_exited_after"] < 10, "the forked child hung on exit"

@@ -403,7 +403,7 @@ struct Prepared {
     check();
     // An async collective's post only queues it: the GIL stays held (as in post_array).
     // A blocking one runs it, and a send / receive may wait for the peer: those release it.
-    if (!blocking && args.kind != OpKind::SEND && args.kind != OpKind::RECV) return engine->post(args, false);
+    if (!blocking && !is_p2p(args.kind)) return engine->post(args, false);
     nb::gil_scoped_release unlocked;
     return engine->post(args, blocking);
   }
@@ -414,8 +414,7 @@ struct Prepared {
     if (!held.held()) return false;
     // The last start's op is reused when it is done and only this handle holds it (the
     // usual case; a thread still letting go of it makes a new one).
-    if (started && started->test() && started.use_count() == 1 && args.kind != OpKind::SEND &&
-        args.kind != OpKind::RECV) {
+    if (started && started->test() && started.use_count() == 1 && !is_p2p(args.kind)) {
       std::atomic_thread_fence(std::memory_order_acquire);  // after the last owner's release
       check();
       engine->repost(started);

@@ -16,6 +16,8 @@ enum class OpKind : uint8_t {
   ALL_REDUCE = 0, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, GATHER, SCATTER,
   ALL_TO_ALL, SEND, RECV, BARRIER, ALL_GATHER_V, REDUCE_SCATTER_V, COUNT
 };
+// Send and receive: progressed by the engine's P2P, never through the collective queue.
+inline bool is_p2p(OpKind k) { return k == OpKind::SEND || k == OpKind::RECV; }
 
 size_t itemsize(DType t);
 bool is_floating(DType t);

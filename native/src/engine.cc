@@ -105,7 +105,7 @@ void Engine::start() {
 
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
   std::unique_lock<std::mutex> lock = admit(args);
-  if (args.kind == OpKind::SEND || args.kind == OpKind::RECV) {
+  if (is_p2p(args.kind)) {
     // Never behind the collective queue: a posted irecv must not hold up anything.
     lock.unlock();
     return p2p_->post(std::move(args), blocking);
@@ -253,7 +253,7 @@ OpArgs Engine::prepare(OpArgs args) {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
   validate(args, comm_.rank, comm_.size);  // once here; every start is validated again by post()
-  if (comm_.size > 1 && args.kind != OpKind::SEND && args.kind != OpKind::RECV) {
+  if (comm_.size > 1 && !is_p2p(args.kind)) {
     const Algorithm algo = choose_algorithm(comm_, describe(args));
     args.algo = algo.run;
     args.algo_name = algo.name;

@@ -5,7 +5,8 @@
 // thread, so post + wait costs what the blocking call costs) or the progress thread, which
 // takes a small one only kGrace after it first saw it queued (so an operation nobody waits
 // for still completes: posting order and progress never depend on a wait) and a large one
-// at once (it overlaps the caller's work). Send / recv bypass the queue: P2P progresses them independently (p2p.h).
+// at once (it overlaps the caller's work). Send / recv bypass the queue: P2P progresses
+// them independently (p2p.h).
 #pragma once
 
 #include <array>

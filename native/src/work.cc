@@ -16,7 +16,7 @@ namespace comm::binding {
 namespace {
 
 struct Names {
-  PyObject *foreign, *timeout, *refuse, *interrupted, *work_failed, *orphans, *append, *wait_str;
+  PyObject *timeout, *refuse, *interrupted, *work_failed, *orphans, *append, *wait_str;
 };
 Names g{};
 
@@ -121,9 +121,9 @@ class Work {
   void refuse_if_foreign() {
     if (!comm_.is_valid()) return;
     // The engine is told of a fork when the communicator is (Communicator._disown): its flag
-    // is one load where the communicator's attribute is a lookup.
-    const bool foreign = op_->engine ? op_->engine->forked() : attr(comm_.ptr(), g.foreign).ptr() == Py_True;
-    if (foreign) {
+    // is one load where the communicator's attribute is a lookup. (A lean op is a queued
+    // collective: its engine is always set.)
+    if (op_->engine->forked()) {
       PyObject* r = PyObject_CallMethodOneArg(comm_.ptr(), g.refuse, g.wait_str);  // raises
       Py_XDECREF(r);
       throw nb::python_error();
@@ -185,7 +185,7 @@ nb::object make_work(std::shared_ptr<Op> op, nb::handle comm, nb::handle label, 
 }
 
 void bind_work(nb::module_& m) {
-  g = Names{intern("_foreign"), intern("timeout"), intern("_refuse"), intern("_interrupted"),
+  g = Names{intern("timeout"), intern("_refuse"), intern("_interrupted"),
             intern("_work_failed"), intern("_orphans"), intern("append"), intern("wait")};
   nb::class_<Work>(m, "LeanWork", nb::type_slots(work_slots),
                    "comm.Work of the engine's lean path (see comm/work.py for the methods).")
