@@ -16,6 +16,7 @@ import comm
 from bench.cluster import NetnsCluster, unavailable
 from harness import Cluster, assert_no_problems
 from reference import dtypes
+from test_moe import _check_layer, ep_layer_all
 from test_conformance import (check_all_reduce, check_all_to_all, check_p2p, check_reduce_scatter_all_gather,
                               check_rooted, check_split_and_async)
 from comm.types import DType
@@ -72,6 +73,7 @@ def suite(world, placement):
     problems += check_all_to_all(world, [DType.FLOAT32], 4)
     problems += check_p2p(world)
     problems += check_split_and_async(world)
+    problems += check_segmented(world)
     # the algorithm each kind ran, then the same calls forced flat and forced two-level
     flat, forced = with_algo(world, "flat"), with_algo(world, "twolevel")
     x = (np.arange(1 << 20, dtype=np.int64) * (r + 1)) % 1000   # integers: every order gives one result
@@ -111,8 +113,45 @@ def suite(world, placement):
     want = tuple(tuple(i for i, h in enumerate(sub_hosts) if h == host) for host in dict.fromkeys(sub_hosts))
     if sub.topology.hosts != want:
         problems.append(f"rank {r}: split topology {sub.topology.hosts}, want {want}")
+    # all_to_all: aggregated per host pair where every host holds as many ranks
+    uniform = len({len(h) for h in topo.hosts}) == 1
+    y = (np.arange(n * 5003, dtype=np.int64) * (r + 7)) % 100_003
+    swapped = {}
+    for name, c in (("auto", world), ("flat", flat), ("twolevel", forced)):
+        out = np.empty_like(y)
+        c.all_to_all(out, y)
+        swapped[name] = out, c._transport.last_algorithm
+    want = np.concatenate([((np.arange(n * 5003, dtype=np.int64) * (q + 7)) % 100_003)[r * 5003:(r + 1) * 5003]
+                           for q in range(n)])
+    for name, (out, algo) in swapped.items():
+        if not np.array_equal(out, want):
+            problems.append(f"rank {r}: all_to_all wrong under {name} ({algo})")
+    if (swapped["auto"][1] == "twolevel") != (two_level and uniform) or swapped["flat"][1] == "twolevel":
+        problems.append(f"rank {r}: all_to_all ran {swapped['auto'][1]} (flat: {swapped['flat'][1]})")
     for c in (flat, forced, sub):
         c.close()
+    return problems
+
+
+def check_segmented(world):
+    """The sharded two-level all_reduce runs in segments of 4 MiB whose network phase overlaps
+    the shared-memory phases of its neighbours: 4 segments here (the last one an element
+    short), in and out of place, integer values so any order of summation is exact."""
+    r, n, problems = world.rank, world.size, []
+    count = (5 << 20) + 7
+    ins = [(np.arange(count, dtype=np.int64) * (q + 3) % 1009).astype(np.int32) for q in range(n)]
+    want = sum(a.astype(np.int64) for a in ins).astype(np.int32)
+    for inplace in (True, False):
+        x = ins[r].copy()
+        out = None if inplace else np.empty_like(x)
+        world.all_reduce(x, out=out)
+        got = x if inplace else out
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero(got != want)[0])
+            problems.append(f"rank {r}: segmented all_reduce {'in' if inplace else 'out-of'}-place: "
+                            f"element {bad} is {got[bad]}, want {want[bad]}")
+        if not inplace and not np.array_equal(x, ins[r]):
+            problems.append(f"rank {r}: segmented all_reduce changed its input")
     return problems
 
 
@@ -132,6 +171,79 @@ def test_placement(hosts, name):
     assert moved > 4 << 20, f"only {moved} bytes crossed the links: the cross-host path was not used"
 
 
+def moe_layer(world):
+    return ep_layer_all(world), world._transport.last_algorithm
+
+
+@pytest.mark.parametrize("name", ["2x2", "cyclic"])
+def test_moe_layer_across_hosts(hosts, name):
+    """Expert-parallel dispatch and combine, whose all_to_all_v runs aggregated per host pair."""
+    c = start(hosts, PLACEMENTS[name])
+    try:
+        results = c.run(moe_layer, timeout=240)
+    finally:
+        c.close()
+    _check_layer([layer for layer, _ in results], len(results))
+    assert {algo for _, algo in results} == {"twolevel"}, results
+
+
+def splits_disagree(world):
+    """Rank 1 (host 0) expects 5 elements from rank 2 (host 1), which sends 4: that pair fails
+    with Mismatch on both ranks; rank 0 and rank 3 get every block."""
+    n, r = world.size, world.rank
+    sends, expects = [4] * n, [4] * n
+    if r == 1:
+        expects[2] = 5
+    x = np.full(sum(sends), float(r), np.float32)
+    out = np.full(sum(expects), -1.0, np.float32)
+    try:
+        world.all_to_all(out, x, out_splits=expects, in_splits=sends)
+    except comm.CommError as e:
+        return type(e).__name__, str(e), None
+    return None, "", out.tolist()
+
+
+def test_all_to_all_splits_disagree_across_hosts(hosts):
+    c = start(hosts, [0, 0, 1, 1], COMM_TIMEOUT=str(TIMEOUT))
+    try:
+        results = c.run(splits_disagree, timeout=TIMEOUT + 30)
+    finally:
+        c.kill()
+    for r in (1, 2):
+        error, text, _ = results[r]
+        assert error == "Mismatch" and f"rank {3 - r}" in text, f"rank {r}: {error} {text}"
+    for r in (0, 3):
+        error, text, out = results[r]
+        assert error is None, f"rank {r}: {error} {text}"
+        assert out == [float(q) for q in range(4) for _ in range(4)], f"rank {r}: {out}"
+
+
+def sizes_differ_by_host(world):
+    """Host 0 reduces 16 MiB, host 1 8 MiB: both run segments of 4 MiB, so the first segments
+    agree in size; only the whole op's signature in every header tells them apart."""
+    x = np.ones((4 << 20) if world.topology.host == 0 else (2 << 20), np.float32)
+    try:
+        world.all_reduce(x)
+    except comm.CommError as e:
+        return type(e).__name__, str(e)
+    return None, ""
+
+
+def test_segment_sizes_alike_but_ops_differ(hosts):
+    c = start(hosts, [0, 0, 1, 1], COMM_TIMEOUT=str(TIMEOUT))
+    try:
+        t0 = time.monotonic()
+        results = c.run(sizes_differ_by_host, timeout=TIMEOUT + 30)
+        seconds = time.monotonic() - t0
+    finally:
+        c.kill()
+    # The ranks of host 0 see the mismatch themselves or hear of it from their host peer.
+    for r, (error, text) in enumerate(results):
+        assert error in ("Mismatch", "PeerFailure"), f"rank {r}: {error} {text}"
+    assert any(error == "Mismatch" for error, _ in results), results
+    assert seconds < TIMEOUT, f"the mismatch took {seconds:.1f} s to surface"
+
+
 def pid(world):
     return os.getpid()
 
@@ -144,7 +256,7 @@ def storm(world, kind, seconds):
     try:
         while time.monotonic() < end:
             if kind == "all_reduce":
-                x = np.full(1 << 20, float(r + 1), np.float32)
+                x = np.full(3 << 20, float(r + 1), np.float32)   # 3 segments of the two-level pipeline
                 world.all_reduce(x)
                 wrong += not (x == n * (n + 1) / 2).all()
             else:

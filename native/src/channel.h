@@ -57,6 +57,12 @@ struct Transfer {
   size_t done = 0;                  // payload bytes moved in total
   size_t part_done[kMaxStripes] = {};  // per-socket progress of a striped TCP payload
 
+  // A slot that moves nothing (already complete).
+  static Transfer none() {
+    Transfer t;
+    t.with_header = false;
+    return t;
+  }
   bool header_complete() const { return !with_header || hdr_done == sizeof(WireHeader); }
   bool complete() const { return header_complete() && done == len; }
 };

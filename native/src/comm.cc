@@ -3,7 +3,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <stdexcept>
 #include <thread>
 
 namespace comm {
@@ -120,46 +122,106 @@ void Comm::drive(Transfer* ts, size_t n) {
   Backoff spins;
   std::vector<pollfd> fds;
   for (;;) {
-    bool moved = false, all_done = true;
-    for (size_t i = 0; i < n; i++) {
-      Transfer& t = ts[i];
-      if (t.complete()) continue;
-      all_done = false;
-      bool behind = false;  // an earlier transfer on the same stream must finish first
-      for (size_t j = 0; j < i && !behind; j++)
-        behind = ts[j].ch == t.ch && ts[j].is_send == t.is_send && !ts[j].complete();
-      if (!behind) moved |= t.ch->progress(t);
-    }
-    if (all_done) return;
-    if (moved) {
+    bool all_done = true;
+    if (progress_pass(ts, n, &all_done)) {
       spins = Backoff{};
       continue;
     }
-    fds.clear();
-    bool shm_pending = false;
-    for (size_t i = 0; i < n; i++) {
-      if (ts[i].complete()) continue;
-      const auto& socks = ts[i].ch->sockets();
-      if (socks.empty() || ts[i].ch->polled()) shm_pending = true;
-      for (int fd : socks) fds.push_back({fd, ts[i].ch->poll_events(ts[i].is_send), 0});
-    }
-    if (!fds.empty()) {
-      for (const Peer& p : peers)
-        if (p.monitor_fd >= 0 && !p.said_goodbye) fds.push_back({p.monitor_fd, POLLIN, 0});
-      if (shm_pending) fds.push_back({-1, 0, 0});  // marks "poll briefly": see sleep_fds
-    }
-    auto ready = [&] {
-      for (size_t i = 0; i < n; i++)
-        if (!ts[i].complete() && ts[i].ch->ready(ts[i])) return true;
-      return false;
-    };
-    idle(spins, ready, &fds);
-    for (size_t i = 0; i < n; i++)
-      if (!ts[i].complete() && ts[i].ch->sockets().empty())
-        check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });
-      else if (!ts[i].complete() && ts[i].ch->flushed_before_goodbye())
-        check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->progress(ts[i]) && !ts[i].complete(); });
+    if (all_done) return;
+    wait_on(ts, n, spins, fds);
   }
+}
+
+void Comm::run_lanes(Steps* const* lanes, int n) {
+  constexpr int W = kMaxStepTransfers;
+  if (n > kMaxLanes) throw std::logic_error("run_lanes: too many lanes");
+  Transfer ts[kMaxLanes * W];  // lane i's step at [i*W, i*W + W); unused slots are complete
+  std::fill(ts, ts + n * W, Transfer::none());
+  bool finished[kMaxLanes] = {};
+  Backoff spins;
+  std::vector<pollfd> fds;
+  try {
+    for (;;) {
+      bool moved = false, all_finished = true;
+      for (int i = 0; i < n; i++) {
+        Transfer* mine = ts + i * W;
+        if (finished[i]) continue;
+        if (std::all_of(mine, mine + W, [](const Transfer& t) { return t.complete(); })) {
+          std::fill(mine, mine + W, Transfer::none());
+          const int k = lanes[i]->next(mine);
+          moved |= k != Steps::kWait;
+          if (k == 0) {
+            finished[i] = true;
+            continue;
+          }
+        }
+        all_finished = false;
+      }
+      if (all_finished) return;
+      bool all_done = true;
+      moved |= progress_pass(ts, n * W, &all_done);
+      if (moved) {
+        spins = Backoff{};
+        continue;
+      }
+      // Every lane waits for another and none has a transfer: a schedule that cannot end.
+      if (all_done) throw std::logic_error("run_lanes: every lane waits for another");
+      wait_on(ts, n * W, spins, fds);
+    }
+  } catch (const CommError&) {
+    for (Transfer& t : ts)
+      if (!t.complete()) t.ch->abandon(t);
+    throw;
+  }
+}
+
+void run_steps(Comm& c, Steps& s) {
+  Transfer ts[kMaxStepTransfers];
+  int k;
+  while ((k = s.next(ts)) > 0) c.run(ts, k);
+  if (k < 0) throw std::logic_error("run_steps: a lone algorithm waited for another lane");
+}
+
+bool Comm::progress_pass(Transfer* ts, size_t n, bool* all_done) {
+  bool moved = false;
+  for (size_t i = 0; i < n; i++) {
+    Transfer& t = ts[i];
+    if (t.complete()) continue;
+    *all_done = false;
+    bool behind = false;  // an earlier transfer on the same stream must finish first
+    for (size_t j = 0; j < i && !behind; j++)
+      behind = ts[j].ch == t.ch && ts[j].is_send == t.is_send && !ts[j].complete();
+    if (!behind) moved |= t.ch->progress(t);
+  }
+  return moved;
+}
+
+void Comm::wait_on(Transfer* ts, size_t n, Backoff& spins, std::vector<pollfd>& fds) {
+  fds.clear();
+  bool shm_pending = false, kernel_pending = false;
+  for (size_t i = 0; i < n; i++) {
+    if (ts[i].complete()) continue;
+    const auto& socks = ts[i].ch->sockets();
+    if (socks.empty() || ts[i].ch->polled()) shm_pending = true;
+    else kernel_pending = true;
+    for (int fd : socks) fds.push_back({fd, ts[i].ch->poll_events(ts[i].is_send), 0});
+  }
+  if (!fds.empty()) {
+    for (const Peer& p : peers)
+      if (p.monitor_fd >= 0 && !p.said_goodbye) fds.push_back({p.monitor_fd, POLLIN, 0});
+    if (shm_pending) fds.push_back({-1, 0, 0});  // marks "poll briefly": see sleep_fds
+  }
+  auto ready = [&] {
+    for (size_t i = 0; i < n; i++)
+      if (!ts[i].complete() && ts[i].ch->ready(ts[i])) return true;
+    return false;
+  };
+  idle(spins, ready, &fds, nullptr, !kernel_pending);
+  for (size_t i = 0; i < n; i++)
+    if (!ts[i].complete() && ts[i].ch->sockets().empty())
+      check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });
+    else if (!ts[i].complete() && ts[i].ch->flushed_before_goodbye())
+      check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->progress(ts[i]) && !ts[i].complete(); });
 }
 
 void Comm::sleep_fds(const std::vector<pollfd>& fds, int ms) {

@@ -3,6 +3,8 @@
 // chunks of opt.chunk_bytes so a step's transfer overlaps the previous chunk's reduction.
 // Each runs over a Group: the whole communicator, or a subset (twolevel.cc).
 #include <cstring>
+#include <functional>
+#include <memory>
 
 #include "algorithms.h"
 #include "topology.h"
@@ -13,45 +15,111 @@ namespace {
 
 // After this, the fully reduced block `g.me` of `in` is at partial(n-2, g.me).
 // partial(step, block) is where the partial result of `block` after `step` is written.
-template <class Layout, class Partial>
-void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Layout& b,
-                        Partial partial) {
-  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
-  const size_t step_elems = chunk_elems(c.opt.chunk_bytes, op.elem);
-  char* tmp = c.scratch(0, step_elems * op.elem);
-  const WireHeader h = op.header(0);
-  for (int s = 0; s < n - 1; s++) {
-    const int send_blk = mod(r - s - 1, n), recv_blk = mod(r - s - 2, n);
-    const char* src = s == 0 ? in + b.offset(send_blk) * op.elem : partial(s - 1, send_blk);
-    char* dst = partial(s, recv_blk);
-    const char* mine = in + b.offset(recv_blk) * op.elem;
-    const size_t ns = b.size(send_blk), nr = b.size(recv_blk);
-    for (size_t off = 0; off < std::max(ns, nr); off += step_elems) {
-      const size_t sl = off < ns ? std::min(step_elems, ns - off) : 0;
-      const size_t rl = off < nr ? std::min(step_elems, nr - off) : 0;
-      Transfer ts[2];
+// Each step moves one chunk of a block (opt.chunk_bytes) and reduces it into place.
+template <class Layout>
+class RingReduce final : public Steps {
+ public:
+  using Partial = std::function<char*(int step, int block)>;
+  RingReduce(Comm& c, const Group& g, const Coll& op, const char* in, Layout b, Partial partial, char* tmp)
+      : op_(op), in_(in), b_(std::move(b)), partial_(std::move(partial)), tmp_(tmp), n_(g.size()), r_(g.me),
+        next_(g.at(g.me + 1)), prev_(g.at(g.me - 1)), step_elems_(chunk_elems(c.opt.chunk_bytes, op.elem)),
+        h_(op.header(0)), c_(c) {}
+
+  int next(Transfer* ts) override {
+    const size_t e = op_.elem;
+    if (rl_) op_.reduce(dst_ + off_ * e, mine_ + off_ * e, tmp_, rl_);
+    if (started_) off_ += step_elems_;
+    started_ = true;
+    for (; s_ < n_ - 1; s_++, off_ = 0) {
+      const int send_blk = mod(r_ - s_ - 1, n_), recv_blk = mod(r_ - s_ - 2, n_);
+      const size_t ns = b_.size(send_blk), nr = b_.size(recv_blk);
+      if (off_ >= std::max(ns, nr)) continue;
+      const char* src = s_ == 0 ? in_ + b_.offset(send_blk) * e : partial_(s_ - 1, send_blk);
+      dst_ = partial_(s_, recv_blk);
+      mine_ = in_ + b_.offset(recv_blk) * e;
+      const size_t sl = off_ < ns ? std::min(step_elems_, ns - off_) : 0;
+      rl_ = off_ < nr ? std::min(step_elems_, nr - off_) : 0;
       int k = 0;
-      if (sl) ts[k++] = c.send_to(next, src + off * op.elem, sl * op.elem, h);
-      if (rl) ts[k++] = c.recv_from(prev, tmp, rl * op.elem, h);
-      c.run(ts, k);
-      if (rl) op.reduce(dst + off * op.elem, mine + off * op.elem, tmp, rl);
+      if (sl) ts[k++] = c_.send_to(next_, src + off_ * e, sl * e, h_);
+      if (rl_) ts[k++] = c_.recv_from(prev_, tmp_, rl_ * e, h_);
+      return k;
     }
+    rl_ = 0;
+    return 0;
   }
-}
+
+ private:
+  const Coll op_;
+  const char* in_;
+  const Layout b_;
+  const Partial partial_;
+  char* const tmp_;
+  const int n_, r_, next_, prev_;
+  const size_t step_elems_;
+  const WireHeader h_;
+  Comm& c_;
+  int s_ = 0;
+  size_t off_ = 0, rl_ = 0;  // the current step's chunk offset and the elements it receives
+  bool started_ = false;
+  char* dst_ = nullptr;
+  const char* mine_ = nullptr;
+};
 
 // Block `g.me` of buf is in place; afterwards every block is.
 template <class Layout>
-void gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Layout& b) {
-  const int n = g.size(), r = g.me, next = g.at(r + 1), prev = g.at(r - 1);
-  const WireHeader h = op.header(0);
-  for (int s = 0; s < n - 1; s++) {
-    const int send_blk = mod(r - s, n), recv_blk = mod(r - s - 1, n);
-    c.sendrecv(next, buf + b.offset(send_blk) * op.elem, b.size(send_blk) * op.elem, prev,
-               buf + b.offset(recv_blk) * op.elem, b.size(recv_blk) * op.elem, h);
+class RingGather final : public Steps {
+ public:
+  RingGather(Comm& c, const Group& g, const Coll& op, char* buf, Layout b)
+      : c_(c), n_(g.size()), r_(g.me), next_(g.at(g.me + 1)), prev_(g.at(g.me - 1)), e_(op.elem), buf_(buf),
+        b_(std::move(b)), h_(op.header(0)) {}
+
+  int next(Transfer* ts) override {
+    if (s_ >= n_ - 1) return 0;
+    const int send_blk = mod(r_ - s_, n_), recv_blk = mod(r_ - s_ - 1, n_);
+    s_++;
+    ts[0] = c_.send_to(next_, buf_ + b_.offset(send_blk) * e_, b_.size(send_blk) * e_, h_);
+    ts[1] = c_.recv_from(prev_, buf_ + b_.offset(recv_blk) * e_, b_.size(recv_blk) * e_, h_);
+    return 2;
   }
+
+ private:
+  Comm& c_;
+  const int n_, r_, next_, prev_;
+  const size_t e_;
+  char* const buf_;
+  const Layout b_;
+  const WireHeader h_;
+  int s_ = 0;
+};
+
+template <class Layout>
+void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Layout& b,
+                        typename RingReduce<Layout>::Partial partial) {
+  const size_t step_elems = chunk_elems(c.opt.chunk_bytes, op.elem);
+  RingReduce<Layout> steps(c, g, op, in, b, std::move(partial), c.scratch(0, step_elems * op.elem));
+  run_steps(c, steps);
+}
+
+template <class Layout>
+void gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Layout& b) {
+  RingGather<Layout> steps(c, g, op, buf, b);
+  run_steps(c, steps);
 }
 
 }  // namespace
+
+std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
+                                                   char* tmp) {
+  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
+  char* recv = op.recv;
+  const size_t e = op.elem;
+  return std::make_unique<RingReduce<Blocks>>(c, g, op, op.send, b,
+                                              [recv, b, e](int, int blk) { return recv + b.offset(blk) * e; }, tmp);
+}
+
+std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {
+  return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);
+}
 
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
   char* mine = op.recv + b.offset(g.me) * op.elem;
@@ -59,8 +127,7 @@ void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks
     if (mine != op.send + b.offset(g.me) * op.elem) std::memcpy(mine, op.send + b.offset(g.me) * op.elem, b.size(g.me) * op.elem);
     return;
   }
-  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
-  ring_reduce_blocks(c, g, op, op.send, b, [&](int, int blk) { return op.recv + b.offset(blk) * op.elem; });
+  run_steps(c, *ring_reduce_to_blocks_steps(c, g, op, b, c.scratch(0, chunk_elems(c.opt.chunk_bytes, op.elem) * op.elem)));
 }
 
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {

@@ -25,6 +25,7 @@ constexpr Row kTable[] = {
     {"twolevel", OpKind::BROADCAST, twolevel_broadcast, twolevel_fits},
     {"twolevel", OpKind::REDUCE, twolevel_reduce, twolevel_fits},
     {"twolevel", OpKind::BARRIER, twolevel_barrier, twolevel_fits},
+    {"twolevel", OpKind::ALL_TO_ALL, twolevel_all_to_all, twolevel_a2a_fits},
     {"direct", OpKind::ALL_REDUCE, direct_collective, direct_fits},
     {"cma", OpKind::ALL_REDUCE, cma_all_reduce, cma_fits},
     {"rd", OpKind::ALL_REDUCE, rd_all_reduce, anywhere},

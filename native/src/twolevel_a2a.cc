@@ -1,0 +1,150 @@
+// all_to_all across hosts, aggregated per host pair (every host holds L ranks). The pairwise
+// exchange sends n-L messages over the network per rank, one per remote rank; this sends
+// H-1, each carrying the L blocks that the ranks of one host have for one rank of another:
+//   1. one slot round: every local rank publishes its splits (what it sends to and expects
+//      from every rank), so each knows the sizes of all the blocks its host moves;
+//   2. inside the host, local rank m receives from every local rank the blocks meant for
+//      position m on every host (its own into the output, the others into a stage);
+//   3. across hosts, rank (h, m) sends to (h', m) the L blocks of its host's ranks meant for
+//      (h', m) back to back on one stream, and receives straight into the output.
+// Every block's header carries both directions of its pair of ranks, source and final
+// destination, as in the pairwise exchange: `len` what it holds, `count` what its source
+// expects back (the forwarder read both in the round). The destination checks both before
+// a payload byte lands, so a pair that disagrees fails with Mismatch on both of its ranks
+// (naming the other), after every other block arrived; no rank waits for a block that never
+// comes, nothing is written past a block.
+#include <cstring>
+#include <optional>
+
+#include "algorithms.h"
+
+namespace comm {
+
+namespace {
+
+constexpr int kStageScratch = 4;  // the packing slot of twolevel.cc: unused by this op otherwise
+
+// Every local rank's splits, as published in `round`.
+struct HostSplits {
+  const Comm& c;
+  uint64_t round;
+  const uint64_t* sends(int rank) const {
+    return reinterpret_cast<const uint64_t*>(c.shm->slot_data(c.shm->local_index(rank), round));
+  }
+  const uint64_t* expects(int rank) const { return sends(rank) + c.size; }
+};
+
+// The first disagreement seen: what came, what was expected, and the block's source.
+struct Disagreement {
+  std::optional<Transfer> t;
+  int source = -1;
+  void note(const Transfer& got, int src) {
+    if (!t && (got.got.len != got.hdr.len || got.got.count != got.hdr.count)) t = got, source = src;
+  }
+};
+
+}  // namespace
+
+bool twolevel_a2a_fits(const Comm& c, const Coll&) {
+  return c.hierarchical() && c.topo.uniform() && c.shm && 2 * c.size * sizeof(uint64_t) <= kSlotBytes;
+}
+
+void twolevel_all_to_all(Comm& c, const Coll& op) {
+  const Topology& t = c.topo;
+  const int n = c.size, me = c.rank, hosts = static_cast<int>(t.hosts.size()), per_host = t.local.size();
+  const int m = t.local.me, h0 = t.host;
+  const size_t e = op.elem;
+  const std::vector<uint64_t>& sends = *op.send_counts;
+  const std::vector<uint64_t>& expects = *op.recv_counts;
+  std::vector<size_t> sdisp(n + 1, 0), rdisp(n + 1, 0);
+  for (int i = 0; i < n; i++) {
+    sdisp[i + 1] = sdisp[i] + sends[i] * e;
+    rdisp[i + 1] = rdisp[i] + expects[i] * e;
+  }
+
+  // 1. The splits of every local rank. A slot of round r is rewritten only after every local
+  // rank reached round r + 1, which no rank does before this op ends: reading it below is safe.
+  const uint64_t round = c.begin_round();
+  Slot* mine = c.shm->slot(c.shm->me(), round);
+  mine->hdr = op.header(0);
+  std::memcpy(c.shm->slot_data(c.shm->me(), round), sends.data(), n * sizeof(uint64_t));
+  std::memcpy(c.shm->slot_data(c.shm->me(), round) + n * sizeof(uint64_t), expects.data(), n * sizeof(uint64_t));
+  c.publish_round(round);
+  c.wait_round(round);
+  for (int rank : t.local.ranks)
+    if (rank != me) check_header(c.shm->slot(c.shm->local_index(rank), round)->hdr, mine->hdr, rank);
+  const HostSplits split{c, round};
+
+  // The stage: for each other host h and local source l, the block l sends to (h, m).
+  auto staged_at = [&](int h, int l) { return static_cast<size_t>(h) * per_host + l; };
+  std::vector<size_t> stage_off(hosts * per_host + 1, 0);
+  for (int h = 0; h < hosts; h++)
+    for (int l = 0; l < per_host; l++) {
+      const bool staged = h != h0 && l != m;
+      const size_t i = staged_at(h, l);
+      stage_off[i + 1] = stage_off[i] + (staged ? split.sends(t.hosts[h0][l])[t.hosts[h][m]] * e : 0);
+    }
+  char* stage = c.scratch(kStageScratch, stage_off.back());
+
+  // A block from `src` to `dst`: both directions of the pair in its header.
+  auto block_header = [&](int src, int dst) {
+    WireHeader h = op.header(split.sends(src)[dst] * e);
+    h.count = split.expects(src)[dst] * e;
+    return h;
+  };
+  // What the destination (this rank) expects of a block from `src`.
+  auto expected_header = [&](int src) {
+    WireHeader h = op.header(expects[src] * e);
+    h.count = sends[src] * e;
+    return h;
+  };
+  Disagreement disagreed;
+  if (sends[me]) std::memmove(op.recv + rdisp[me], op.send + sdisp[me], sends[me] * e);
+
+  // 2. Inside the host, one local peer at a time (step s: to m+s, from m-s).
+  std::vector<Transfer> ts;
+  for (int s = 1; s < per_host; s++) {
+    const int pt = mod(m + s, per_host), pf = mod(m - s, per_host);
+    const int to = t.hosts[h0][pt], from = t.hosts[h0][pf];
+    ts.clear();
+    for (int h = 0; h < hosts; h++) {
+      const int dst = t.hosts[h][pt];
+      ts.push_back(c.send_to(to, op.send + sdisp[dst], sends[dst] * e, block_header(me, dst)));
+    }
+    for (int h = 0; h < hosts; h++) {
+      if (h == h0) {
+        ts.push_back(c.recv_from(from, op.recv + rdisp[from], expects[from] * e, expected_header(from)));
+        ts.back().check = Transfer::Check::SPLITS;
+      } else {
+        const size_t i = staged_at(h, pf);
+        ts.push_back(c.recv_from(from, stage + stage_off[i], stage_off[i + 1] - stage_off[i],
+                                 block_header(from, t.hosts[h][m])));
+      }
+    }
+    c.run(ts.data(), ts.size());
+    disagreed.note(ts[hosts + h0], from);
+  }
+
+  // 3. Across hosts, one host at a time: L blocks to (h0+s, m), L from (h0-s, m).
+  for (int s = 1; s < hosts; s++) {
+    const int ht = mod(h0 + s, hosts), hf = mod(h0 - s, hosts);
+    const int to = t.hosts[ht][m], from = t.hosts[hf][m];
+    ts.clear();
+    for (int l = 0; l < per_host; l++) {
+      const int src = t.hosts[h0][l];
+      const size_t i = staged_at(ht, l);
+      const char* buf = l == m ? op.send + sdisp[to] : stage + stage_off[i];
+      ts.push_back(c.send_to(to, buf, split.sends(src)[to] * e, block_header(src, to)));
+    }
+    for (int l = 0; l < per_host; l++) {
+      const int src = t.hosts[hf][l];
+      ts.push_back(c.recv_from(from, op.recv + rdisp[src], expects[src] * e, expected_header(src)));
+      ts.back().check = Transfer::Check::SPLITS;
+    }
+    c.run(ts.data(), ts.size());
+    for (int l = 0; l < per_host; l++) disagreed.note(ts[per_host + l], t.hosts[hf][l]);
+  }
+  if (disagreed.t) fail_splits(disagreed.t->got, disagreed.t->hdr, disagreed.source);
+}
+
+}  // namespace comm
