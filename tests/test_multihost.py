@@ -99,10 +99,14 @@ def suite(world, placement):
                 ok = np.array_equal(results[other][key], value)
             if not ok:
                 problems.append(f"rank {r}: {key} differs between the automatic choice and COMM_ALGO={other}")
-    for kind in ("all_reduce", "broadcast", "barrier"):
-        if ("twolevel" in used["auto", kind]) != two_level or "twolevel" in used["flat", kind]:
+    # reduce_scatter and all_gather take two levels only where every host holds two or more
+    # ranks (a host of one moves n-1 blocks either way: no link carries less)
+    shards = two_level and all(len(h) > 1 for h in topo.hosts)
+    for kind, expected in (("all_reduce", two_level), ("broadcast", two_level), ("all_gather", shards),
+                           ("barrier", two_level)):
+        if ("twolevel" in used["auto", kind]) != expected or "twolevel" in used["flat", kind]:
             problems.append(f"rank {r}: {kind} ran {used['auto', kind]} (flat: {used['flat', kind]}); "
-                            f"two-level expected: {two_level}")
+                            f"two-level expected: {expected}")
     # COMM_DEBUG logs the topology and names the two-level choice
     _, text = debug_log(lambda: world.split(0).all_reduce(x.copy()))
     if f"topology {topo.num_hosts} host(s)" not in text or ("uses algorithm twolevel" in text) != two_level:
@@ -113,6 +117,18 @@ def suite(world, placement):
     want = tuple(tuple(i for i, h in enumerate(sub_hosts) if h == host) for host in dict.fromkeys(sub_hosts))
     if sub.topology.hosts != want:
         problems.append(f"rank {r}: split topology {sub.topology.hosts}, want {want}")
+    # reduce_scatter: two-level where every host is shared, uneven placements included
+    def rs_input(q):
+        return (np.arange(n * 4099, dtype=np.int64) * (q + 3)) % 10_007
+    want = sum(rs_input(q) for q in range(n))[r * 4099:(r + 1) * 4099]
+    for name, c in (("auto", world), ("flat", flat)):
+        out = np.empty(4099, np.int64)
+        c.reduce_scatter(out, rs_input(r))
+        algo = c._transport.last_algorithm
+        if not np.array_equal(out, want):
+            problems.append(f"rank {r}: reduce_scatter wrong under {name} ({algo})")
+        if (algo == "twolevel") != (shards and name == "auto"):
+            problems.append(f"rank {r}: reduce_scatter ran {algo} under {name}; two-level expected: {shards}")
     # all_to_all: aggregated per host pair where every host holds as many ranks
     uniform = len({len(h) for h in topo.hosts}) == 1
     y = (np.arange(n * 5003, dtype=np.int64) * (r + 7)) % 100_003
@@ -155,7 +171,8 @@ def check_segmented(world):
     return problems
 
 
-PLACEMENTS = {"2x2": [0, 0, 1, 1], "3x1": [0, 1, 2], "3+1": [0, 0, 0, 1], "cyclic": [0, 1, 0, 1]}
+PLACEMENTS = {"2x2": [0, 0, 1, 1], "3x1": [0, 1, 2], "3+1": [0, 0, 0, 1], "3+2": [0, 0, 0, 1, 1],
+              "cyclic": [0, 1, 0, 1]}
 
 
 @pytest.mark.parametrize("name", PLACEMENTS)

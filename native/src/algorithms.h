@@ -26,6 +26,8 @@ void ring_all_gather(Comm& c, const Group& g, const Coll& op);
 // op.recv; then every block of `buf` is in place everywhere.
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b);
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const CountedBlocks& b);
+void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const CountedBlocks& b);
 // The same halves as Steps (for Comm::run_lanes), over a group of two or more; `tmp` holds
 // one chunk (opt.chunk_bytes). Headers carry op's signature, layouts come from `b`.
 std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
@@ -50,7 +52,7 @@ void twolevel_broadcast(Comm& c, const Coll& op);
 void twolevel_reduce(Comm& c, const Coll& op);
 void twolevel_barrier(Comm& c, const Coll& op);
 bool twolevel_fits(const Comm& c, const Coll& op);
-bool twolevel_uniform_fits(const Comm& c, const Coll& op);  // every host holds as many ranks
+bool twolevel_shards_fit(const Comm& c, const Coll& op);  // every host holds two or more ranks
 // twolevel_a2a.cc: all_to_all aggregated per host pair (uniform placements)
 void twolevel_all_to_all(Comm& c, const Coll& op);
 bool twolevel_a2a_fits(const Comm& c, const Coll& op);

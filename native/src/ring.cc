@@ -110,7 +110,6 @@ void gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Lay
 
 std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
                                                    char* tmp) {
-  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
   char* recv = op.recv;
   const size_t e = op.elem;
   return std::make_unique<RingReduce<Blocks>>(c, g, op, op.send, b,
@@ -121,16 +120,29 @@ std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const C
   return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);
 }
 
-void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
+namespace {
+
+template <class Layout>
+void reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Layout& b) {
   char* mine = op.recv + b.offset(g.me) * op.elem;
   if (g.size() == 1) {
     if (mine != op.send + b.offset(g.me) * op.elem) std::memcpy(mine, op.send + b.offset(g.me) * op.elem, b.size(g.me) * op.elem);
     return;
   }
-  run_steps(c, *ring_reduce_to_blocks_steps(c, g, op, b, c.scratch(0, chunk_elems(c.opt.chunk_bytes, op.elem) * op.elem)));
+  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
+  ring_reduce_blocks(c, g, op, op.send, b, [&](int, int blk) { return op.recv + b.offset(blk) * op.elem; });
 }
 
+}  // namespace
+
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) { reduce_to_blocks(c, g, op, b); }
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const CountedBlocks& b) {
+  reduce_to_blocks(c, g, op, b);
+}
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {
+  gather_blocks(c, g, op, buf, b);
+}
+void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const CountedBlocks& b) {
   gather_blocks(c, g, op, buf, b);
 }
 

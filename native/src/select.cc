@@ -20,8 +20,8 @@ struct Row {
 // "twolevel" rows come first in their kind: across hosts they win whenever they fit.
 constexpr Row kTable[] = {
     {"twolevel", OpKind::ALL_REDUCE, twolevel_all_reduce, twolevel_fits},
-    {"twolevel", OpKind::REDUCE_SCATTER, twolevel_reduce_scatter, twolevel_uniform_fits},
-    {"twolevel", OpKind::ALL_GATHER, twolevel_all_gather, twolevel_uniform_fits},
+    {"twolevel", OpKind::REDUCE_SCATTER, twolevel_reduce_scatter, twolevel_shards_fit},
+    {"twolevel", OpKind::ALL_GATHER, twolevel_all_gather, twolevel_shards_fit},
     {"twolevel", OpKind::BROADCAST, twolevel_broadcast, twolevel_fits},
     {"twolevel", OpKind::REDUCE, twolevel_reduce, twolevel_fits},
     {"twolevel", OpKind::BARRIER, twolevel_barrier, twolevel_fits},

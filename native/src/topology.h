@@ -57,6 +57,9 @@ struct Topology {
   bool some_host_shared() const {
     return std::any_of(hosts.begin(), hosts.end(), [](const auto& h) { return h.size() > 1; });
   }
+  bool every_host_shared() const {
+    return std::all_of(hosts.begin(), hosts.end(), [](const auto& h) { return h.size() > 1; });
+  }
   // Every host holds the same number of ranks (the sharded two-level algorithms need it).
   bool uniform() const {
     return std::all_of(hosts.begin(), hosts.end(), [&](const auto& h) { return h.size() == hosts[0].size(); });

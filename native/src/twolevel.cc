@@ -19,8 +19,10 @@ namespace {
 constexpr size_t kShardMinBytes = 64 << 10;
 constexpr size_t kRdMaxBytes = 64 << 10;  // as in select.cc: recursive doubling only while small
 
-// Scratch slots 0-2 belong to the ring and tree, 3 to the PREMUL_SUM input (engine.cc).
+// Scratch slots 0-2 belong to the ring and tree, 3 to the PREMUL_SUM input (engine.cc);
+// 4 holds a reordered buffer, 5 what arrives from the network beside a ring's chunk.
 constexpr int kPackScratch = 4;
+constexpr int kNetScratch = 5;
 
 char* at(char* base, size_t elems, const Coll& op) { return base + elems * op.elem; }
 
@@ -32,6 +34,27 @@ void for_each_block(const Topology& t, Copy copy) {
   for (int l = 0; l < per_host; l++)
     for (int h = 0; h < hosts; h++) copy(l * hosts + h, t.hosts[h][l]);
 }
+
+// Uneven placements: which local rank of host `h` reduces (reduce_scatter) or spreads
+// (all_gather) the host's share of each rank's block. Every rank owns its own block; the
+// blocks of the other hosts' ranks are dealt out to the host's ranks in rank order.
+struct Owners {
+  std::vector<std::vector<int>> blocks;  // blocks[l]: the ranks whose block local rank l owns, its own first
+  std::vector<int> owner;                // owner[rank]: the local position that owns rank's block
+  Owners(const Topology& t, int h, int n) : blocks(t.hosts[h].size()), owner(n, -1) {
+    const int per_host = static_cast<int>(t.hosts[h].size());
+    for (int l = 0; l < per_host; l++) blocks[l].push_back(t.hosts[h][l]), owner[t.hosts[h][l]] = l;
+    int dealt = 0;
+    for (int r = 0; r < n; r++)
+      if (owner[r] < 0) blocks[dealt % per_host].push_back(r), owner[r] = dealt++ % per_host;
+  }
+  // Blocks of `count` elements grouped by owner: owner l's at offset(l), size(l).
+  CountedBlocks layout(size_t count) const {
+    std::vector<uint64_t> counts;
+    for (const auto& b : blocks) counts.push_back(b.size() * count);
+    return CountedBlocks(counts);
+  }
+};
 
 // The sharded all_reduce in segments, so that its phases overlap. Two lanes (run_lanes):
 // the host's, over shared memory, runs RS0, RS1, AG0, RS2, AG1, ..., AG(P-1) (RSk: the
@@ -63,8 +86,6 @@ class TwoLevelPipeline {
 
  private:
   enum Phase { RS, X, AG };
-  // Scratch slots 0-2 belong to the ring and tree, 3 to PREMUL_SUM, 4 to packing.
-  static constexpr int kNetScratch = 5;
   // Up to 4 segments of at least 4 MiB: the first RS and the last AG are the phases not
   // hidden behind the link, a quarter of the host's work at 4 segments. More segments hide
   // more but cost a step round trip each and cut the network phase into short transfers:
@@ -150,7 +171,10 @@ class TwoLevelPipeline {
 }  // namespace
 
 bool twolevel_fits(const Comm& c, const Coll&) { return c.hierarchical(); }
-bool twolevel_uniform_fits(const Comm& c, const Coll&) { return c.hierarchical() && c.topo.uniform(); }
+// reduce_scatter / all_gather: a host of one rank sends (reduce_scatter) or receives
+// (all_gather) n-1 blocks whichever way, as many as the flat ring puts on each link it
+// crosses, so two levels pay only when every host holds two or more ranks.
+bool twolevel_shards_fit(const Comm& c, const Coll&) { return c.hierarchical() && c.topo.every_host_shared(); }
 
 // Large and uniform: reduce-scatter inside the host (local rank l owns block l), all-reduce
 // of block l with the l-th rank of every other host (all local ranks in parallel, each on
@@ -176,10 +200,12 @@ void twolevel_all_reduce(Comm& c, const Coll& op) {
   tree_broadcast(c, t.local, top);
 }
 
+namespace {
+
 // Uniform only: the input reordered (for_each_block), reduce-scatter inside the host leaves
 // local rank l the host's sum of the H blocks meant for position l on every host; a
 // reduce-scatter between those ranks (by host) hands each its own block.
-void twolevel_reduce_scatter(Comm& c, const Coll& op) {
+void uniform_reduce_scatter(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const size_t hosts = t.hosts.size(), n = c.size, share = hosts * op.count;
   char* packed = c.scratch(kPackScratch, n * op.count * op.elem);
@@ -195,10 +221,10 @@ void twolevel_reduce_scatter(Comm& c, const Coll& op) {
   ring_reduce_scatter(c, t.cross, across);
 }
 
-// Uniform only: the reverse of twolevel_reduce_scatter: all-gather between the ranks at one
+// Uniform only: the reverse of uniform_reduce_scatter: all-gather between the ranks at one
 // local position (by host), all-gather of those shares inside the host, then each block to
 // its rank's place.
-void twolevel_all_gather(Comm& c, const Coll& op) {
+void uniform_all_gather(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const size_t hosts = t.hosts.size(), n = c.size, share = hosts * op.count;
   char* packed = c.scratch(kPackScratch, n * op.count * op.elem);
@@ -211,6 +237,73 @@ void twolevel_all_gather(Comm& c, const Coll& op) {
   for_each_block(t, [&](int src, int dst) {
     std::memcpy(at(op.recv, dst * op.count, op), at(packed, src * op.count, op), op.count * op.elem);
   });
+}
+
+// Uneven placements: inside the host, a ring reduce-scatter leaves each rank the host's sum of
+// the blocks it owns (Owners); each sends those partial sums to their ranks across the hosts
+// and sums the partials of its own block that arrive from every other host. Each host sends
+// every remote rank's block once: (n - L) blocks out of a host of L ranks.
+void uneven_reduce_scatter(Comm& c, const Coll& op) {
+  const Topology& t = c.topo;
+  const int n = c.size, hosts = static_cast<int>(t.hosts.size());
+  const size_t block = op.count * op.elem;
+  const Owners own(t, t.host, n);
+  const CountedBlocks layout = own.layout(op.count);
+  char* packed = c.scratch(kPackScratch, n * block);
+  size_t at_block = 0;
+  for (const auto& owned : own.blocks)
+    for (int r : owned) std::memcpy(packed + block * at_block++, op.send + block * r, block);
+  Coll inside = op;
+  inside.send = inside.recv = packed;
+  inside.count = n * op.count;
+  ring_reduce_to_blocks(c, t.local, inside, layout);
+  const char* mine = packed + layout.offset(t.local.me) * op.elem;  // its own block first
+  char* partials = c.scratch(kNetScratch, (hosts - 1) * block);
+  const WireHeader h = op.header(0);
+  std::vector<Transfer> ts;
+  const auto& owned = own.blocks[t.local.me];
+  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.send_to(owned[k], mine + k * block, block, h));
+  for (int other = 0, i = 0; other < hosts; other++)
+    if (other != t.host) ts.push_back(c.recv_from(t.hosts[other][Owners(t, other, n).owner[c.rank]], partials + block * i++, block, h));
+  c.run(ts.data(), ts.size());
+  op.reduce(op.recv, mine, partials, op.count);
+  for (int i = 1; i < hosts - 1; i++) op.reduce(op.recv, op.recv, partials + block * i, op.count);
+}
+
+// The reverse: each rank sends its block to its owner on every other host, the host's ranks
+// all-gather what they own, and every block goes to its rank's place.
+void uneven_all_gather(Comm& c, const Coll& op) {
+  const Topology& t = c.topo;
+  const int n = c.size, hosts = static_cast<int>(t.hosts.size());
+  const size_t block = op.count * op.elem;
+  const Owners own(t, t.host, n);
+  const CountedBlocks layout = own.layout(op.count);
+  char* packed = c.scratch(kPackScratch, n * block);
+  char* mine = packed + layout.offset(t.local.me) * op.elem;
+  std::memcpy(mine, op.send, block);
+  const WireHeader h = op.header(0);
+  std::vector<Transfer> ts;
+  for (int other = 0; other < hosts; other++)
+    if (other != t.host) ts.push_back(c.send_to(t.hosts[other][Owners(t, other, n).owner[c.rank]], op.send, block, h));
+  const auto& owned = own.blocks[t.local.me];
+  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.recv_from(owned[k], mine + k * block, block, h));
+  c.run(ts.data(), ts.size());
+  Coll inside = op;
+  inside.count = n * op.count;
+  ring_gather_blocks(c, t.local, inside, packed, layout);
+  size_t at_block = 0;
+  for (const auto& blocks : own.blocks)
+    for (int r : blocks) std::memcpy(op.recv + block * r, packed + block * at_block++, block);
+}
+
+}  // namespace
+
+void twolevel_reduce_scatter(Comm& c, const Coll& op) {
+  c.topo.uniform() ? uniform_reduce_scatter(c, op) : uneven_reduce_scatter(c, op);
+}
+
+void twolevel_all_gather(Comm& c, const Coll& op) {
+  c.topo.uniform() ? uniform_all_gather(c, op) : uneven_all_gather(c, op);
 }
 
 // Across the hosts' leaders (the root leads its own host), then inside each host.
