@@ -33,9 +33,9 @@ def hosts():
         yield h
 
 
-def start(hosts, placement, **env):
+def start(hosts, placement, transport="native", **env):
     """A rank cluster with rank r on host placement[r]."""
-    return Cluster(len(placement), netns=[hosts.ns[h] for h in placement], timeout=120,
+    return Cluster(len(placement), transport, netns=[hosts.ns[h] for h in placement], timeout=120,
                    env=dict({"MASTER_ADDR": hosts.addr(placement[0]), "COMM_TIMEOUT": "60"}, **env))
 
 
@@ -177,8 +177,18 @@ PLACEMENTS = {"2x2": [0, 0, 1, 1], "3x1": [0, 1, 2], "3+1": [0, 0, 0, 1], "3+2":
 
 @pytest.mark.parametrize("name", PLACEMENTS)
 def test_placement(hosts, name):
-    placement = PLACEMENTS[name]
-    c = start(hosts, placement)
+    run_suite(hosts, PLACEMENTS[name], "native")
+
+
+@pytest.mark.parametrize("name", ["2x2", "3+2"])
+@pytest.mark.skipif(base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}")
+def test_placement_over_ucx(hosts, name):
+    """The engine's algorithms, two-level ones included, over UCX's channels across hosts."""
+    run_suite(hosts, PLACEMENTS[name], "ucx")
+
+
+def run_suite(hosts, placement, transport):
+    c = start(hosts, placement, transport)
     try:
         before = sum(hosts.tx_bytes(h) for h in set(placement))
         assert_no_problems(c.run(suite, placement, timeout=240))

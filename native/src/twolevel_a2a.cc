@@ -1,15 +1,15 @@
 // all_to_all across hosts, aggregated per host pair (every host holds L ranks). The pairwise
 // exchange sends n-L messages over the network per rank, one per remote rank; this sends
 // H-1, each carrying the L blocks that the ranks of one host have for one rank of another:
-//   1. one slot round: every local rank publishes its splits (what it sends to and expects
-//      from every rank), so each knows the sizes of all the blocks its host moves;
+//   1. the host's ranks all-gather their splits (what each sends to and expects from every
+//      rank), so each knows the sizes of all the blocks its host moves;
 //   2. inside the host, local rank m receives from every local rank the blocks meant for
 //      position m on every host (its own into the output, the others into a stage);
 //   3. across hosts, rank (h, m) sends to (h', m) the L blocks of its host's ranks meant for
 //      (h', m) back to back on one stream, and receives straight into the output.
 // Every block's header carries both directions of its pair of ranks, source and final
 // destination, as in the pairwise exchange: `len` what it holds, `count` what its source
-// expects back (the forwarder read both in the round). The destination checks both before
+// expects back (the forwarder has both from step 1). The destination checks both before
 // a payload byte lands, so a pair that disagrees fails with Mismatch on both of its ranks
 // (naming the other), after every other block arrived; no rank waits for a block that never
 // comes, nothing is written past a block.
@@ -24,15 +24,33 @@ namespace {
 
 constexpr int kStageScratch = 4;  // the packing slot of twolevel.cc: unused by this op otherwise
 
-// Every local rank's splits, as published in `round`.
+// Every local rank's splits: what each sends to and expects from every rank.
 struct HostSplits {
-  const Comm& c;
-  uint64_t round;
-  const uint64_t* sends(int rank) const {
-    return reinterpret_cast<const uint64_t*>(c.shm->slot_data(c.shm->local_index(rank), round));
-  }
-  const uint64_t* expects(int rank) const { return sends(rank) + c.size; }
+  std::vector<uint64_t> all;  // local position p's at p * 2n: n sends, then n expects
+  std::vector<int> position;  // position[rank]: its local position, -1 off this host
+  int n;
+  const uint64_t* sends(int rank) const { return all.data() + 2 * static_cast<size_t>(n) * position[rank]; }
+  const uint64_t* expects(int rank) const { return sends(rank) + n; }
 };
+
+// A ring all-gather of the splits over the host's ranks, on the channels every engine
+// transport has. Its header carries the all_to_all's signature, so a local rank running
+// another operation fails with Mismatch here.
+HostSplits gather_splits(Comm& c, const Coll& op) {
+  const Topology& t = c.topo;
+  const int n = c.size;
+  HostSplits h{std::vector<uint64_t>(2 * static_cast<size_t>(n) * t.local.size()), std::vector<int>(n, -1), n};
+  for (int p = 0; p < t.local.size(); p++) h.position[t.local.ranks[p]] = p;
+  std::vector<uint64_t> mine(op.send_counts->begin(), op.send_counts->end());
+  mine.insert(mine.end(), op.recv_counts->begin(), op.recv_counts->end());
+  Coll splits = op;
+  splits.send = reinterpret_cast<const char*>(mine.data());
+  splits.recv = reinterpret_cast<char*>(h.all.data());
+  splits.count = 2 * n;
+  splits.elem = sizeof(uint64_t);
+  ring_all_gather(c, t.local, splits);
+  return h;
+}
 
 // The first disagreement seen: what came, what was expected, and the block's source.
 struct Disagreement {
@@ -45,9 +63,7 @@ struct Disagreement {
 
 }  // namespace
 
-bool twolevel_a2a_fits(const Comm& c, const Coll&) {
-  return c.hierarchical() && c.topo.uniform() && c.shm && 2 * c.size * sizeof(uint64_t) <= kSlotBytes;
-}
+bool twolevel_a2a_fits(const Comm& c, const Coll&) { return c.hierarchical() && c.topo.uniform(); }
 
 void twolevel_all_to_all(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
@@ -62,18 +78,8 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
     rdisp[i + 1] = rdisp[i] + expects[i] * e;
   }
 
-  // 1. The splits of every local rank. A slot of round r is rewritten only after every local
-  // rank reached round r + 1, which no rank does before this op ends: reading it below is safe.
-  const uint64_t round = c.begin_round();
-  Slot* mine = c.shm->slot(c.shm->me(), round);
-  mine->hdr = op.header(0);
-  std::memcpy(c.shm->slot_data(c.shm->me(), round), sends.data(), n * sizeof(uint64_t));
-  std::memcpy(c.shm->slot_data(c.shm->me(), round) + n * sizeof(uint64_t), expects.data(), n * sizeof(uint64_t));
-  c.publish_round(round);
-  c.wait_round(round);
-  for (int rank : t.local.ranks)
-    if (rank != me) check_header(c.shm->slot(c.shm->local_index(rank), round)->hdr, mine->hdr, rank);
-  const HostSplits split{c, round};
+  // 1. The splits of every local rank.
+  const HostSplits split = gather_splits(c, op);
 
   // The stage: for each other host h and local source l, the block l sends to (h, m).
   auto staged_at = [&](int h, int l) { return static_cast<size_t>(h) * per_host + l; };
