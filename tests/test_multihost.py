@@ -214,13 +214,13 @@ def test_moe_layer_across_hosts(hosts, name):
     assert {algo for _, algo in results} == {"twolevel"}, results
 
 
-def splits_disagree(world):
-    """Rank 1 (host 0) expects 5 elements from rank 2 (host 1), which sends 4: that pair fails
-    with Mismatch on both ranks; rank 0 and rank 3 get every block."""
+def splits_disagree(world, a, b):
+    """Rank a expects 5 elements from rank b, which sends 4: that pair fails with Mismatch on
+    both ranks; the other two get every block."""
     n, r = world.size, world.rank
     sends, expects = [4] * n, [4] * n
-    if r == 1:
-        expects[2] = 5
+    if r == a:
+        expects[b] = 5
     x = np.full(sum(sends), float(r), np.float32)
     out = np.full(sum(expects), -1.0, np.float32)
     try:
@@ -230,16 +230,19 @@ def splits_disagree(world):
     return None, "", out.tolist()
 
 
-def test_all_to_all_splits_disagree_across_hosts(hosts):
+@pytest.mark.parametrize("a,b", [(1, 2), (0, 1)], ids=["across hosts", "same host"])
+def test_all_to_all_splits_disagree(hosts, a, b):
+    """2 hosts x 2 ranks, all_to_all aggregated per host pair: a block from host 1 reaches
+    rank 1 through rank 3; its header still names what rank 2 sent and expects."""
     c = start(hosts, [0, 0, 1, 1], COMM_TIMEOUT=str(TIMEOUT))
     try:
-        results = c.run(splits_disagree, timeout=TIMEOUT + 30)
+        results = c.run(splits_disagree, a, b, timeout=TIMEOUT + 30)
     finally:
         c.kill()
-    for r in (1, 2):
+    for r, other in ((a, b), (b, a)):
         error, text, _ = results[r]
-        assert error == "Mismatch" and f"rank {3 - r}" in text, f"rank {r}: {error} {text}"
-    for r in (0, 3):
+        assert error == "Mismatch" and f"rank {other} sends" in text, f"rank {r}: {error} {text}"
+    for r in set(range(4)) - {a, b}:
         error, text, out = results[r]
         assert error is None, f"rank {r}: {error} {text}"
         assert out == [float(q) for q in range(4) for _ in range(4)], f"rank {r}: {out}"

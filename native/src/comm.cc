@@ -136,7 +136,7 @@ void Comm::run_lanes(Steps* const* lanes, int n) {
   constexpr int W = kMaxStepTransfers;
   if (n > kMaxLanes) throw std::logic_error("run_lanes: too many lanes");
   Transfer ts[kMaxLanes * W];  // lane i's step at [i*W, i*W + W); unused slots are complete
-  std::fill(ts, ts + n * W, Transfer::none());
+  std::fill(std::begin(ts), std::end(ts), Transfer::none());
   bool finished[kMaxLanes] = {};
   Backoff spins;
   std::vector<pollfd> fds;

@@ -116,7 +116,8 @@ std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, cons
                                               [recv, b, e](int, int blk) { return recv + b.offset(blk) * e; }, tmp);
 }
 
-std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b) {
+std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
+                                                const Blocks& b) {
   return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);
 }
 
@@ -135,7 +136,9 @@ void reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Layout& b) 
 
 }  // namespace
 
-void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) { reduce_to_blocks(c, g, op, b); }
+void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
+  reduce_to_blocks(c, g, op, b);
+}
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const CountedBlocks& b) {
   reduce_to_blocks(c, g, op, b);
 }

@@ -48,6 +48,8 @@ struct Owners {
     for (int r = 0; r < n; r++)
       if (owner[r] < 0) blocks[dealt % per_host].push_back(r), owner[r] = dealt++ % per_host;
   }
+  // The rank on host `h` that owns `rank`'s block.
+  static int on(const Topology& t, int h, int rank, int n) { return t.hosts[h][Owners(t, h, n).owner[rank]]; }
   // Blocks of `count` elements grouped by owner: owner l's at offset(l), size(l).
   CountedBlocks layout(size_t count) const {
     std::vector<uint64_t> counts;
@@ -94,8 +96,12 @@ class TwoLevelPipeline {
   // 1.46, 4 1.42, 8 1.24, 16 1.30 (medians of 3).
   static constexpr size_t kSegmentBytes = 4 << 20;
   static constexpr size_t kMaxSegments = 4;
-  static int segments(size_t bytes) { return static_cast<int>(std::clamp<size_t>(bytes / kSegmentBytes, 1, kMaxSegments)); }
-  static size_t chunk(const Comm& c, const Coll& op) { return chunk_elems(c.opt.chunk_bytes, op.elem) * op.elem; }
+  static int segments(size_t bytes) {
+    return static_cast<int>(std::clamp<size_t>(bytes / kSegmentBytes, 1, kMaxSegments));
+  }
+  static size_t chunk(const Comm& c, const Coll& op) {
+    return chunk_elems(c.opt.chunk_bytes, op.elem) * op.elem;
+  }
 
   struct Item {
     Phase phase;
@@ -264,7 +270,7 @@ void uneven_reduce_scatter(Comm& c, const Coll& op) {
   const auto& owned = own.blocks[t.local.me];
   for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.send_to(owned[k], mine + k * block, block, h));
   for (int other = 0, i = 0; other < hosts; other++)
-    if (other != t.host) ts.push_back(c.recv_from(t.hosts[other][Owners(t, other, n).owner[c.rank]], partials + block * i++, block, h));
+    if (other != t.host) ts.push_back(c.recv_from(Owners::on(t, other, c.rank, n), partials + block * i++, block, h));
   c.run(ts.data(), ts.size());
   op.reduce(op.recv, mine, partials, op.count);
   for (int i = 1; i < hosts - 1; i++) op.reduce(op.recv, op.recv, partials + block * i, op.count);
@@ -284,7 +290,7 @@ void uneven_all_gather(Comm& c, const Coll& op) {
   const WireHeader h = op.header(0);
   std::vector<Transfer> ts;
   for (int other = 0; other < hosts; other++)
-    if (other != t.host) ts.push_back(c.send_to(t.hosts[other][Owners(t, other, n).owner[c.rank]], op.send, block, h));
+    if (other != t.host) ts.push_back(c.send_to(Owners::on(t, other, c.rank, n), op.send, block, h));
   const auto& owned = own.blocks[t.local.me];
   for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.recv_from(owned[k], mine + k * block, block, h));
   c.run(ts.data(), ts.size());
