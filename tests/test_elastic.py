@@ -182,6 +182,7 @@ def test_stopped_rank_is_excluded_and_gets_an_error_on_resume():
 
 def revoke_while_blocked(world):
     """Rank 1 revokes; ranks 0, 2, 3 are blocked in receives that do not involve it."""
+    world.barrier()  # all start together: a rank started late would be blocked for less
     if world.rank == 1:
         time.sleep(0.3)
         world.revoke()

@@ -133,10 +133,10 @@ void Comm::drive(Transfer* ts, size_t n) {
 }
 
 void Comm::run_lanes(Steps* const* lanes, int n) {
-  constexpr int W = kMaxStepTransfers;
   if (n > kMaxLanes) throw std::logic_error("run_lanes: too many lanes");
-  Transfer ts[kMaxLanes * W];  // lane i's step at [i*W, i*W + W); unused slots are complete
-  std::fill(std::begin(ts), std::end(ts), Transfer::none());
+  size_t at[kMaxLanes + 1] = {};  // lane i's step at [at[i], at[i+1]); unused slots are complete
+  for (int i = 0; i < n; i++) at[i + 1] = at[i] + lanes[i]->width();
+  std::vector<Transfer> ts(at[n], Transfer::none());
   bool finished[kMaxLanes] = {};
   Backoff spins;
   std::vector<pollfd> fds;
@@ -144,10 +144,10 @@ void Comm::run_lanes(Steps* const* lanes, int n) {
     for (;;) {
       bool moved = false, all_finished = true;
       for (int i = 0; i < n; i++) {
-        Transfer* mine = ts + i * W;
         if (finished[i]) continue;
-        if (std::all_of(mine, mine + W, [](const Transfer& t) { return t.complete(); })) {
-          std::fill(mine, mine + W, Transfer::none());
+        Transfer* mine = ts.data() + at[i];
+        if (std::all_of(mine, ts.data() + at[i + 1], [](const Transfer& t) { return t.complete(); })) {
+          // Slots past the k new transfers keep finished ones: complete, never progressed.
           const int k = lanes[i]->next(mine);
           moved |= k != Steps::kWait;
           if (k == 0) {
@@ -159,14 +159,14 @@ void Comm::run_lanes(Steps* const* lanes, int n) {
       }
       if (all_finished) return;
       bool all_done = true;
-      moved |= progress_pass(ts, n * W, &all_done);
+      moved |= progress_pass(ts.data(), ts.size(), &all_done);
       if (moved) {
         spins = Backoff{};
         continue;
       }
       // Every lane waits for another and none has a transfer: a schedule that cannot end.
       if (all_done) throw std::logic_error("run_lanes: every lane waits for another");
-      wait_on(ts, n * W, spins, fds);
+      wait_on(ts.data(), ts.size(), spins, fds);
     }
   } catch (const CommError&) {
     for (Transfer& t : ts)
@@ -176,9 +176,9 @@ void Comm::run_lanes(Steps* const* lanes, int n) {
 }
 
 void run_steps(Comm& c, Steps& s) {
-  Transfer ts[kMaxStepTransfers];
+  std::vector<Transfer> ts(s.width(), Transfer::none());
   int k;
-  while ((k = s.next(ts)) > 0) c.run(ts, k);
+  while ((k = s.next(ts.data())) > 0) c.run(ts.data(), k);
   if (k < 0) throw std::logic_error("run_steps: a lone algorithm waited for another lane");
 }
 

@@ -99,9 +99,9 @@ class Comm {
   void sendrecv(int to, const void* sbuf, size_t slen, int from, void* rbuf, size_t rlen,
                 const WireHeader& h);
   // Runs several algorithms at once, each step of each as soon as its previous one finished
-  // (steps.h). The lanes must use disjoint channels: only then is the order of each stream
-  // on the wire the same on both of its ends whatever the timing.
-  static constexpr int kMaxLanes = 2;
+  // (steps.h). No two lanes may use one channel in the same direction: only then is the
+  // order of each stream on the wire the same on both of its ends whatever the timing.
+  static constexpr int kMaxLanes = 3;
   void run_lanes(Steps* const* lanes, int n);
 
   // Direct (all-local) rounds: publish that this rank reached `round`, then wait until

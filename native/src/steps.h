@@ -5,24 +5,39 @@
 // its neighbours without a second copy of the ring.
 #pragma once
 
+#include <utility>
+
 #include "channel.h"
 
 namespace comm {
 
 class Comm;
 
-// The most transfers one step posts (a ring step: one send, one receive).
-constexpr int kMaxStepTransfers = 2;
-
 class Steps {
  public:
   static constexpr int kWait = -1;
   virtual ~Steps() = default;
-  // Called first, then each time the previous step's transfers have completed: finishes that
-  // step (reduces what arrived), then writes the next step's transfers into ts and returns
-  // how many (at most kMaxStepTransfers); 0 when the algorithm is done, kWait when the next
-  // step waits for another lane (run_lanes asks again once some lane moved on).
+  // The most transfers one step posts (a ring step: one send, one receive).
+  virtual int width() const { return 2; }
+  // Called first, then each time the previous step's transfers have completed (ts still
+  // holds them, so their headers can be read): finishes that step (reduces what arrived),
+  // then writes the next step's transfers into ts and returns how many (at most width());
+  // 0 when the algorithm is done, kWait when the next step waits for another lane
+  // (run_lanes asks again once some lane moved on).
   virtual int next(Transfer* ts) = 0;
+};
+
+// Steps from a function of the transfers (the algorithm's state lives in its captures).
+template <class Fn>
+class StepsOf final : public Steps {
+ public:
+  StepsOf(int width, Fn fn) : width_(width), fn_(std::move(fn)) {}
+  int width() const override { return width_; }
+  int next(Transfer* ts) override { return fn_(ts); }
+
+ private:
+  const int width_;
+  Fn fn_;
 };
 
 // Runs `s` to its end on this thread (it never answers kWait alone).

@@ -6,7 +6,9 @@
 //   2. inside the host, local rank m receives from every local rank the blocks meant for
 //      position m on every host (its own into the output, the others into a stage);
 //   3. across hosts, rank (h, m) sends to (h', m) the L blocks of its host's ranks meant for
-//      (h', m) back to back on one stream, and receives straight into the output.
+//      (h', m) back to back on one stream, and receives straight into the output. Steps 2
+//      and 3 overlap (Comm::run_lanes): its own blocks leave at once, each staged one as
+//      soon as it arrived.
 // Every block's header carries both directions of its pair of ranks, source and final
 // destination, as in the pairwise exchange: `len` what it holds, `count` what its source
 // expects back (the forwarder has both from step 1). The destination checks both before
@@ -107,49 +109,59 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
   Disagreement disagreed;
   if (sends[me]) std::memmove(op.recv + rdisp[me], op.send + sdisp[me], sends[me] * e);
 
-  // 2. Inside the host, one local peer at a time (step s: to m+s, from m-s).
-  std::vector<Transfer> ts;
-  for (int s = 1; s < per_host; s++) {
+  // 2. Inside the host, one local peer a step (step s: to m+s, from m-s): the blocks for
+  // position m+s on every host go to m+s, those of m-s for position m arrive.
+  int host_done = 0;  // steps of phase 2 finished
+  StepsOf host(2 * hosts, [&, s = 0](Transfer* ts) mutable {
+    if (s > 0) disagreed.note(ts[hosts + h0], t.hosts[h0][mod(m - s, per_host)]);
+    host_done = s;
+    if (++s >= per_host) return 0;
     const int pt = mod(m + s, per_host), pf = mod(m - s, per_host);
     const int to = t.hosts[h0][pt], from = t.hosts[h0][pf];
-    ts.clear();
     for (int h = 0; h < hosts; h++) {
       const int dst = t.hosts[h][pt];
-      ts.push_back(c.send_to(to, op.send + sdisp[dst], sends[dst] * e, block_header(me, dst)));
-    }
-    for (int h = 0; h < hosts; h++) {
+      ts[h] = c.send_to(to, op.send + sdisp[dst], sends[dst] * e, block_header(me, dst));
       if (h == h0) {
-        ts.push_back(c.recv_from(from, op.recv + rdisp[from], expects[from] * e, expected_header(from)));
-        ts.back().check = Transfer::Check::SPLITS;
+        ts[hosts + h] = c.recv_from(from, op.recv + rdisp[from], expects[from] * e, expected_header(from));
+        ts[hosts + h].check = Transfer::Check::SPLITS;
       } else {
         const size_t i = staged_at(h, pf);
-        ts.push_back(c.recv_from(from, stage + stage_off[i], stage_off[i + 1] - stage_off[i],
-                                 block_header(from, t.hosts[h][m])));
+        ts[hosts + h] = c.recv_from(from, stage + stage_off[i], stage_off[i + 1] - stage_off[i],
+                                    block_header(from, t.hosts[h][m]));
       }
     }
-    c.run(ts.data(), ts.size());
-    disagreed.note(ts[hosts + h0], from);
-  }
-
-  // 3. Across hosts, one host at a time: L blocks to (h0+s, m), L from (h0-s, m).
-  for (int s = 1; s < hosts; s++) {
-    const int ht = mod(h0 + s, hosts), hf = mod(h0 - s, hosts);
-    const int to = t.hosts[ht][m], from = t.hosts[hf][m];
-    ts.clear();
-    for (int l = 0; l < per_host; l++) {
-      const int src = t.hosts[h0][l];
-      const size_t i = staged_at(ht, l);
-      const char* buf = l == m ? op.send + sdisp[to] : stage + stage_off[i];
-      ts.push_back(c.send_to(to, buf, split.sends(src)[to] * e, block_header(src, to)));
+    return 2 * hosts;
+  });
+  // 3. Across hosts, to (h, m) on every other host h, the blocks of local sources m, m-1,
+  // m-2, ... in turn: this rank's own at once, each staged one as soon as phase 2 brought
+  // it, so the network works while the host does. (h, m) receives them in that order.
+  StepsOf out(hosts - 1, [&, j = -1](Transfer* ts) mutable {
+    if (j + 1 >= per_host) return 0;
+    if (j + 1 > host_done) return static_cast<int>(Steps::kWait);
+    const int l = mod(m - ++j, per_host), src = t.hosts[h0][l];
+    for (int s = 1; s < hosts; s++) {
+      const int h = mod(h0 + s, hosts), to = t.hosts[h][m];
+      const char* buf = j == 0 ? op.send + sdisp[to] : stage + stage_off[staged_at(h, l)];
+      ts[s - 1] = c.send_to(to, buf, split.sends(src)[to] * e, block_header(src, to));
     }
-    for (int l = 0; l < per_host; l++) {
-      const int src = t.hosts[hf][l];
-      ts.push_back(c.recv_from(from, op.recv + rdisp[src], expects[src] * e, expected_header(src)));
-      ts.back().check = Transfer::Check::SPLITS;
+    return hosts - 1;
+  });
+  StepsOf in(hosts - 1, [&, j = -1](Transfer* ts) mutable {
+    auto source = [&](int s) { return t.hosts[mod(h0 - s, hosts)][mod(m - j, per_host)]; };
+    if (j >= 0)
+      for (int s = 1; s < hosts; s++) disagreed.note(ts[s - 1], source(s));
+    if (++j >= per_host) return 0;
+    for (int s = 1; s < hosts; s++) {
+      const int src = source(s);
+      ts[s - 1] = c.recv_from(t.hosts[mod(h0 - s, hosts)][m], op.recv + rdisp[src], expects[src] * e,
+                              expected_header(src));
+      ts[s - 1].check = Transfer::Check::SPLITS;
     }
-    c.run(ts.data(), ts.size());
-    for (int l = 0; l < per_host; l++) disagreed.note(ts[per_host + l], t.hosts[hf][l]);
-  }
+    return hosts - 1;
+  });
+  // The host lane uses the local channels, the other two the remote ones, one direction each.
+  Steps* lanes[] = {&host, &out, &in};
+  c.run_lanes(lanes, 3);
   if (disagreed.t) fail_splits(disagreed.t->got, disagreed.t->hdr, disagreed.source);
 }
 
