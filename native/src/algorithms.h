@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,8 +29,10 @@ void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const CountedBlocks& b);
 void ring_gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const CountedBlocks& b);
+// The scratch a ring reduction receives one chunk into (opt.chunk_bytes, whole elements).
+inline size_t ring_chunk_bytes(const Comm& c, size_t elem) { return chunk_elems(c.opt.chunk_bytes, elem) * elem; }
 // The same halves as Steps (for Comm::run_lanes), over a group of two or more; `tmp` holds
-// one chunk (opt.chunk_bytes). Headers carry op's signature, layouts come from `b`.
+// ring_chunk_bytes. Headers carry op's signature, layouts come from `b`.
 std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
                                                    char* tmp);
 std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
@@ -76,6 +79,19 @@ bool cma_fits(const Comm& c, const Coll& op);
 void sync_round(Comm& c);
 // bytes at `addr` of local peer `peer`'s memory into dst (PEER_FAILURE if it cannot be read).
 void read_peer(Comm& c, int peer, uint64_t addr, char* dst, size_t bytes);
+// An all_to_all's receives checked with Transfer::Check::SPLITS: the first one whose lengths
+// disagreed, and the rank whose block it was. The exchange runs to its end on every rank
+// first; then raise() fails with Mismatch naming that rank (as fail_splits says it).
+struct SplitsDisagreement {
+  std::optional<Transfer> t;
+  int source = -1;
+  void note(const Transfer& got, int src) {
+    if (!t && (got.got.len != got.hdr.len || got.got.count != got.hdr.count)) t = got, source = src;
+  }
+  void raise() const {
+    if (t) fail_splits(t->got, t->hdr, source);
+  }
+};
 // a2a.cc: all_to_all with every rank on one host: through the slots when every rank's input
 // fits, else single-copy reads (cma, for large inputs) or pairwise. The cma row forces reads.
 void direct_all_to_all(Comm& c, const Coll& op);

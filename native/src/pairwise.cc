@@ -3,7 +3,6 @@
 // gather / scatter: the root talks to every rank at once.
 #include <cstring>
 #include <numeric>
-#include <optional>
 
 #include "algorithms.h"
 #include "topology.h"
@@ -27,7 +26,7 @@ void pairwise_all_to_all(Comm& c, const Coll& op) {
   // steps still run, so both ranks of the pair fail with Mismatch (never a write past a
   // block, never a block silently unwritten) and no other rank waits for a step that never
   // comes.
-  std::optional<Transfer> disagreed;
+  SplitsDisagreement disagreed;
   for (int s = 1; s < n; s++) {
     const int to = mod(r + s, n), from = mod(r - s, n);
     WireHeader out = op.header(0), in = op.header(0);
@@ -37,10 +36,9 @@ void pairwise_all_to_all(Comm& c, const Coll& op) {
                       c.recv_from(from, op.recv + rdisp[from], received(from), in)};
     ts[1].check = Transfer::Check::SPLITS;
     c.run(ts, 2);
-    const Transfer& got = ts[1];
-    if (!disagreed && (got.got.len != got.hdr.len || got.got.count != got.hdr.count)) disagreed = got;
+    disagreed.note(ts[1], from);
   }
-  if (disagreed) fail_splits(disagreed->got, disagreed->hdr, disagreed->ch->peer());
+  disagreed.raise();
 }
 
 void linear_gather(Comm& c, const Coll& op) {

@@ -95,8 +95,7 @@ class RingGather final : public Steps {
 template <class Layout>
 void ring_reduce_blocks(Comm& c, const Group& g, const Coll& op, const char* in, const Layout& b,
                         typename RingReduce<Layout>::Partial partial) {
-  const size_t step_elems = chunk_elems(c.opt.chunk_bytes, op.elem);
-  RingReduce<Layout> steps(c, g, op, in, b, std::move(partial), c.scratch(0, step_elems * op.elem));
+  RingReduce<Layout> steps(c, g, op, in, b, std::move(partial), c.scratch(0, ring_chunk_bytes(c, op.elem)));
   run_steps(c, steps);
 }
 
@@ -106,22 +105,14 @@ void gather_blocks(Comm& c, const Group& g, const Coll& op, char* buf, const Lay
   run_steps(c, steps);
 }
 
-}  // namespace
-
-std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
-                                                   char* tmp) {
+// Partial sums live in the output buffer itself: no scratch beyond one chunk (`tmp`).
+template <class Layout>
+std::unique_ptr<Steps> to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Layout& b, char* tmp) {
   char* recv = op.recv;
   const size_t e = op.elem;
-  return std::make_unique<RingReduce<Blocks>>(c, g, op, op.send, b,
+  return std::make_unique<RingReduce<Layout>>(c, g, op, op.send, b,
                                               [recv, b, e](int, int blk) { return recv + b.offset(blk) * e; }, tmp);
 }
-
-std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
-                                                const Blocks& b) {
-  return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);
-}
-
-namespace {
 
 template <class Layout>
 void reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Layout& b) {
@@ -130,11 +121,20 @@ void reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Layout& b) 
     if (mine != op.send + b.offset(g.me) * op.elem) std::memcpy(mine, op.send + b.offset(g.me) * op.elem, b.size(g.me) * op.elem);
     return;
   }
-  // Partial sums live in the output buffer itself: no scratch beyond one chunk.
-  ring_reduce_blocks(c, g, op, op.send, b, [&](int, int blk) { return op.recv + b.offset(blk) * op.elem; });
+  run_steps(c, *to_blocks_steps(c, g, op, b, c.scratch(0, ring_chunk_bytes(c, op.elem))));
 }
 
 }  // namespace
+
+std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
+                                                   char* tmp) {
+  return to_blocks_steps(c, g, op, b, tmp);
+}
+
+std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
+                                                const Blocks& b) {
+  return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);
+}
 
 void ring_reduce_to_blocks(Comm& c, const Group& g, const Coll& op, const Blocks& b) {
   reduce_to_blocks(c, g, op, b);

@@ -71,7 +71,8 @@ class TwoLevelPipeline {
  public:
   TwoLevelPipeline(Comm& c, const Coll& op)
       : c_(c), op_(op), t_(c.topo), segs_{op.count, segments(op.count * op.elem)},
-        host_tmp_(c.scratch(0, chunk(c, op))), net_tmp_(c.scratch(kNetScratch, chunk(c, op))) {
+        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))),
+        net_tmp_(c.scratch(kNetScratch, ring_chunk_bytes(c, op.elem))) {
     const int p = segs_.n;
     host_.items.push_back({RS, 0});
     for (int k = 0; k < p; k++) {
@@ -98,9 +99,6 @@ class TwoLevelPipeline {
   static constexpr size_t kMaxSegments = 4;
   static int segments(size_t bytes) {
     return static_cast<int>(std::clamp<size_t>(bytes / kSegmentBytes, 1, kMaxSegments));
-  }
-  static size_t chunk(const Comm& c, const Coll& op) {
-    return chunk_elems(c.opt.chunk_bytes, op.elem) * op.elem;
   }
 
   struct Item {
@@ -245,6 +243,26 @@ void uniform_all_gather(Comm& c, const Coll& op) {
   });
 }
 
+// What both uneven forms start from: this host's Owners, and scratch for every rank's block
+// grouped by owner (each owner's own block first in its group).
+struct Grouped {
+  const Owners own;
+  const CountedBlocks layout;
+  const size_t block;  // bytes of one rank's block
+  char* const packed;
+  char* const mine;    // this rank's group
+  Grouped(Comm& c, const Coll& op)
+      : own(c.topo, c.topo.host, c.size), layout(own.layout(op.count)), block(op.count * op.elem),
+        packed(c.scratch(kPackScratch, c.size * block)), mine(packed + layout.offset(c.topo.local.me) * op.elem) {}
+  // copy(rank, its block's place in `packed`) for every rank, in the grouped order.
+  template <class Copy>
+  void for_each(Copy copy) const {
+    size_t at = 0;
+    for (const auto& owned : own.blocks)
+      for (int r : owned) copy(r, packed + block * at++);
+  }
+};
+
 // Uneven placements: inside the host, a ring reduce-scatter leaves each rank the host's sum of
 // the blocks it owns (Owners); each sends those partial sums to their ranks across the hosts
 // and sums the partials of its own block that arrive from every other host. Each host sends
@@ -252,27 +270,22 @@ void uniform_all_gather(Comm& c, const Coll& op) {
 void uneven_reduce_scatter(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const int n = c.size, hosts = static_cast<int>(t.hosts.size());
-  const size_t block = op.count * op.elem;
-  const Owners own(t, t.host, n);
-  const CountedBlocks layout = own.layout(op.count);
-  char* packed = c.scratch(kPackScratch, n * block);
-  size_t at_block = 0;
-  for (const auto& owned : own.blocks)
-    for (int r : owned) std::memcpy(packed + block * at_block++, op.send + block * r, block);
+  const Grouped g(c, op);
+  const size_t block = g.block;
+  g.for_each([&](int r, char* at) { std::memcpy(at, op.send + block * r, block); });
   Coll inside = op;
-  inside.send = inside.recv = packed;
+  inside.send = inside.recv = g.packed;
   inside.count = n * op.count;
-  ring_reduce_to_blocks(c, t.local, inside, layout);
-  const char* mine = packed + layout.offset(t.local.me) * op.elem;  // its own block first
+  ring_reduce_to_blocks(c, t.local, inside, g.layout);
   char* partials = c.scratch(kNetScratch, (hosts - 1) * block);
   const WireHeader h = op.header(0);
   std::vector<Transfer> ts;
-  const auto& owned = own.blocks[t.local.me];
-  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.send_to(owned[k], mine + k * block, block, h));
+  const auto& owned = g.own.blocks[t.local.me];
+  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.send_to(owned[k], g.mine + k * block, block, h));
   for (int other = 0, i = 0; other < hosts; other++)
     if (other != t.host) ts.push_back(c.recv_from(Owners::on(t, other, c.rank, n), partials + block * i++, block, h));
   c.run(ts.data(), ts.size());
-  op.reduce(op.recv, mine, partials, op.count);
+  op.reduce(op.recv, g.mine, partials, op.count);  // its own block is first in its group
   for (int i = 1; i < hosts - 1; i++) op.reduce(op.recv, op.recv, partials + block * i, op.count);
 }
 
@@ -281,25 +294,20 @@ void uneven_reduce_scatter(Comm& c, const Coll& op) {
 void uneven_all_gather(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const int n = c.size, hosts = static_cast<int>(t.hosts.size());
-  const size_t block = op.count * op.elem;
-  const Owners own(t, t.host, n);
-  const CountedBlocks layout = own.layout(op.count);
-  char* packed = c.scratch(kPackScratch, n * block);
-  char* mine = packed + layout.offset(t.local.me) * op.elem;
-  std::memcpy(mine, op.send, block);
+  const Grouped g(c, op);
+  const size_t block = g.block;
+  std::memcpy(g.mine, op.send, block);
   const WireHeader h = op.header(0);
   std::vector<Transfer> ts;
   for (int other = 0; other < hosts; other++)
     if (other != t.host) ts.push_back(c.send_to(Owners::on(t, other, c.rank, n), op.send, block, h));
-  const auto& owned = own.blocks[t.local.me];
-  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.recv_from(owned[k], mine + k * block, block, h));
+  const auto& owned = g.own.blocks[t.local.me];
+  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.recv_from(owned[k], g.mine + k * block, block, h));
   c.run(ts.data(), ts.size());
   Coll inside = op;
   inside.count = n * op.count;
-  ring_gather_blocks(c, t.local, inside, packed, layout);
-  size_t at_block = 0;
-  for (const auto& blocks : own.blocks)
-    for (int r : blocks) std::memcpy(op.recv + block * r, packed + block * at_block++, block);
+  ring_gather_blocks(c, t.local, inside, g.packed, g.layout);
+  g.for_each([&](int r, const char* at) { std::memcpy(op.recv + block * r, at, block); });
 }
 
 }  // namespace

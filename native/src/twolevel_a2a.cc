@@ -16,7 +16,6 @@
 // (naming the other), after every other block arrived; no rank waits for a block that never
 // comes, nothing is written past a block.
 #include <cstring>
-#include <optional>
 
 #include "algorithms.h"
 
@@ -53,15 +52,6 @@ HostSplits gather_splits(Comm& c, const Coll& op) {
   ring_all_gather(c, t.local, splits);
   return h;
 }
-
-// The first disagreement seen: what came, what was expected, and the block's source.
-struct Disagreement {
-  std::optional<Transfer> t;
-  int source = -1;
-  void note(const Transfer& got, int src) {
-    if (!t && (got.got.len != got.hdr.len || got.got.count != got.hdr.count)) t = got, source = src;
-  }
-};
 
 }  // namespace
 
@@ -106,7 +96,7 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
     h.count = sends[src] * e;
     return h;
   };
-  Disagreement disagreed;
+  SplitsDisagreement disagreed;
   if (sends[me]) std::memmove(op.recv + rdisp[me], op.send + sdisp[me], sends[me] * e);
 
   // 2. Inside the host, one local peer a step (step s: to m+s, from m-s): the blocks for
@@ -162,7 +152,7 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
   // The host lane uses the local channels, the other two the remote ones, one direction each.
   Steps* lanes[] = {&host, &out, &in};
   c.run_lanes(lanes, 3);
-  if (disagreed.t) fail_splits(disagreed.t->got, disagreed.t->hdr, disagreed.source);
+  disagreed.raise();
 }
 
 }  // namespace comm
