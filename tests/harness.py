@@ -107,11 +107,11 @@ class Cluster:
 
     def __init__(self, n: int, transport: str = "native", *, launcher: str = "spawn",
                  env: dict | None = None, init: bool = True, timeout: float = 120,
-                 netns: list[str] | None = None):
+                 netns: list[str] | None = None, wrap: list[list[str]] | None = None):
         self.n, self.transport, self.launcher = n, transport, launcher
         for attempt in range(3):
             try:
-                self._start(env, init, timeout, netns)
+                self._start(env, init, timeout, netns, wrap)
                 return
             except RanksFailed as e:
                 # the free port we picked can be taken before rank 0 binds it: pick another
@@ -119,7 +119,7 @@ class Cluster:
                 if attempt == 2 or not port_race or "MASTER_PORT" in (env or {}):
                     raise
 
-    def _start(self, env, init, timeout, netns) -> None:
+    def _start(self, env, init, timeout, netns, wrap) -> None:
         n = self.n
         self.broken = False
         # a filesystem Unix socket: reachable from ranks in other network namespaces too
@@ -148,7 +148,8 @@ class Cluster:
         else:
             for r in range(n):
                 env_r = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-                prefix = ["ip", "netns", "exec", netns[r]] if netns else []
+                # rank r runs in network namespace netns[r], or under the command wrap[r]
+                prefix = ["ip", "netns", "exec", netns[r]] if netns else wrap[r] if wrap else []
                 self.procs.append(subprocess.Popen(prefix + worker, env=env_r, start_new_session=True))
         self.conns: list[socket.socket | None] = [None] * n
         self._listener.settimeout(timeout)

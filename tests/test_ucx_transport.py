@@ -3,15 +3,18 @@ collectives kept apart, async work that does not block the caller, COMM_ALGO, si
 mismatches and timeouts as errors, and the reason given when libucx cannot load."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import time
 
 import numpy as np
 import pytest
-from harness import ROOT, assert_no_problems, run_ranks
+from harness import ROOT, Cluster, assert_no_problems, run_ranks
 from reference import dtypes
 
+import comm
 from comm.types import DType
 from transports import base
 
@@ -110,3 +113,81 @@ def test_available_names_the_import_error():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60, check=False)
     assert "the libucx wheel cannot be loaded" in out.stdout, out.stdout + out.stderr
+
+
+
+def close_right_after(world, iterations, nbytes):
+    """Communicators closed as soon as their last collective returns: a rank that finishes
+    first says goodbye while its last fragments still wait in a peer's UCX shared-memory
+    queue, which takes that peer several progress calls to drain. Those bytes were
+    delivered; the peer must not take the goodbye for a rank that left without them."""
+    x = np.ones(nbytes // 4, np.float32)
+    for i in range(iterations):
+        sub = world.split(0)
+        sub.broadcast(x, root=i % world.size)
+        sub.all_reduce(x)
+        sub.close()
+    return []
+
+
+def test_close_right_after_a_collective(cluster):
+    _run(cluster, 5, close_right_after, 120, 256 << 10)
+
+
+def large_payloads(world):
+    """Payloads that a receiver on the same host reads out of the sender's buffer (or, refused,
+    receives through UCX): send/recv (a header read alone, then its body), broadcast,
+    all_reduce, and all_to_all splits that disagree (the offered payload is dropped unread)."""
+    problems, r, n = [], world.rank, world.size
+    right, left = (r + 1) % n, (r - 1) % n
+    for count in (16 << 10, 100_001, 1 << 20):  # 64 KiB to 4 MiB of float32
+        x = np.arange(count, dtype=np.float32) * (r + 1)
+        got = np.zeros_like(x)
+        w = world.isend(x, right, tag=5)
+        world.recv(got, left, tag=5)
+        w.wait()
+        if not (got == np.arange(count, dtype=np.float32) * (left + 1)).all():
+            problems.append(f"rank {r}: send/recv of {count} from {left} wrong")
+        b = x.copy() if r == 0 else np.zeros_like(x)
+        world.broadcast(b, root=0)
+        if not (b == np.arange(count, dtype=np.float32)).all():
+            problems.append(f"rank {r}: broadcast of {count} wrong")
+        a = np.ones(count, np.float32) * (r + 1)
+        world.all_reduce(a)
+        if not (a == n * (n + 1) / 2).all():
+            problems.append(f"rank {r}: all_reduce of {count} wrong")
+    # rank 0 sends 64 Ki elements to each peer, which expect 32 Ki: the peers report the
+    # disagreement after the exchange ran to its end (rank 0's offers dropped unread)
+    block = 1 << 16
+    mine = [block] * n if r == 0 else [block // 2] * n
+    expect = [block] + [block // 2] * (n - 1) if r == 0 else [block // 2] * n
+    try:
+        world.all_to_all(np.zeros(sum(expect), np.float32), np.ones(sum(mine), np.float32), expect, mine)
+        if r != 0:
+            problems.append(f"rank {r}: disagreeing splits were not reported")
+    except comm.Mismatch:
+        pass
+    return problems
+
+
+def test_large_payloads_on_one_host(cluster):
+    _run(cluster, 3, large_payloads)
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root, to start a rank in a pid namespace of its own")
+def test_reads_refused_across_pid_namespaces():
+    """A rank in another pid namespace (a container on the same host) names a pid that means
+    another process here: the receiver must find out (the cookie does not read back) and take
+    the payload through UCX, never read whatever that pid holds."""
+    c = Cluster(2, "ucx", wrap=[[], ["unshare", "--pid", "--fork"]], timeout=60)
+    try:
+        assert_no_problems(c.run(large_payloads, timeout=120))
+        pids = c.run(_pid)
+        assert pids[1] == 1, f"rank 1 did not run in a pid namespace of its own (pid {pids[1]})"
+    finally:
+        c.close()
+
+
+def _pid(world):
+    return os.getpid()

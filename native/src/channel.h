@@ -97,6 +97,10 @@ class Channel {
   virtual bool polled() const { return false; }
   // Wake a peer blocked on us (abort): it sees the connection drop.
   virtual void shutdown() {}
+  // Said right before the channel is destroyed in a clean close, when the peer has already
+  // closed (its goodbye or its hang-up was heard): nothing sent to it can matter now, so a
+  // net closes without flushing towards it (UCX would report the flush's failure).
+  virtual void peer_left() {}
   // True when everything the peer sent before its goodbye ('B' on the monitor socket) has
   // reached this channel by then, so a transfer that still cannot complete after a progress
   // pass never will (the engine then fails it with PEER_FAILURE instead of waiting out the

@@ -50,9 +50,17 @@ void Comm::release() {
 }
 
 void Comm::close_channels() {
+  std::lock_guard<std::mutex> lock(alive_mu_);
   for (Peer& p : peers) {
-    p.coll.reset();
-    p.p2p.reset();
+    int32_t lost = -1;
+    // Read past relayed failures ('F') to a goodbye, hang-up or abort, if one came.
+    while (p.monitor_fd >= 0 && !p.said_goodbye && hear(p, &lost) == 'F') {
+    }
+    const bool left = p.said_goodbye || p.heard == 'D' || p.heard == 'A';
+    for (auto* ch : {&p.coll, &p.p2p}) {
+      if (*ch && left) (*ch)->peer_left();
+      ch->reset();
+    }
   }
 }
 

@@ -11,9 +11,18 @@
 // in the same message up to kInlineBytes; a larger payload follows as a message of part 1,
 // received straight into place once its header has been checked. So no payload byte lands
 // in a user buffer before its header was accepted, as on every channel.
+//
+// On one host a large payload is instead read by the receiver straight out of the sender's
+// buffer (process_vm_readv, one copy, as Open MPI does) and acknowledged with a part-2
+// message: UCX's own CMA transport stays off there (see UcxNet), so UCX alone would copy
+// twice through its shared-memory queue. A receiver that may not read the sender (ptrace
+// rules, another pid namespace) answers so, and the payload then travels through UCX.
 #include <dlfcn.h>
+#include <sys/uio.h>
+#include <unistd.h>
 #include <ucp/api/ucp.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,7 +38,17 @@ constexpr size_t kHeader = sizeof(WireHeader);
 // Payloads up to this size travel in their header's message (one message per transfer;
 // copied once more on arrival, which costs less than a second message below it).
 constexpr size_t kInlineBytes = 8 << 10;
-constexpr uint64_t kHeaderPart = 0, kPayloadPart = 1;
+constexpr uint64_t kHeaderPart = 0, kPayloadPart = 1, kAckPart = 2;
+// Same-host payloads from this size on are read by the receiver (one copy instead of two);
+// the read goes in slices so that other transfers of the operation move in between.
+constexpr size_t kReadMinBytes = 64 << 10, kReadSliceBytes = 1 << 20;
+constexpr char kReadOk = 'k', kReadRefused = 'n';
+
+// Behind the header of a payload that the receiver reads itself: where it lies, and a word
+// whose value the receiver checks once before trusting the pid (pids of another namespace).
+struct ReadOffer {
+  uint64_t pid, addr, cookie_addr, cookie;
+};
 // A drained payload (all_to_all splits that disagree) is received into memory; one larger
 // than this fails the exchange at once instead (its length is the peer's word).
 constexpr size_t kMaxDrainBytes = size_t{256} << 20;
@@ -109,28 +128,37 @@ class UcxChannel final : public Channel {
  public:
   UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host);
   ~UcxChannel() override;
+  // True when UCX itself moved anything, not only when `t` advanced: a message can take many
+  // progress calls to drain from UCX's shared-memory queue (a bounded number of fragments per
+  // call), and the engine reads "nothing moved" after a peer's goodbye as "nothing will".
   bool progress(Transfer& t) override {
-    u_.ucp_worker_progress(w_.h);
+    const bool worked = u_.ucp_worker_progress(w_.h) != 0;
     if (ep_status_ != UCS_OK) fail_status(u_, ep_status_, peer_, "connection");
-    return t.is_send ? progress_send(t) : progress_recv(t);
+    return (t.is_send ? progress_send(t) : progress_recv(t)) || worked;
   }
-  bool ready(const Transfer&) const override { return u_.ucp_worker_arm(w_.h) != UCS_OK; }
+  bool ready(const Transfer& t) const override {
+    return (!t.is_send && recv_ == Recv::READ) || u_.ucp_worker_arm(w_.h) != UCS_OK;
+  }
   const std::vector<int>& sockets() const override { return w_.efd; }
   short poll_events(bool) const override { return POLLIN; }
   bool polled() const override { return true; }  // UCX's shared memory moves without a syscall
   void abandon(Transfer& t) override;
   bool flushed_before_goodbye() const override { return true; }  // see Engine::close
+  void peer_left() override { peer_left_ = true; }
   void forget() { forgotten_ = true; }
 
  private:
-  enum class Recv { IDLE, HEADER, PAYLOAD };
+  enum class Recv { IDLE, HEADER, PAYLOAD, READ };
   void* post_send(const void* buf, size_t len, uint64_t part);
-  void* post_recv(void* buf, size_t len, uint64_t part);
+  void* post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_info_t* info);
   // Whether request `r` is finished (then freed and set null); throws its failure.
   bool finished(void*& r, size_t* length);
   bool progress_send(Transfer& t);
   bool progress_recv(Transfer& t);
   void header_arrived(Transfer& t, size_t length);
+  bool read_offered(Transfer& t);  // Recv::READ: read a slice of the sender's buffer
+  void answer_offer(char answer);
+  void offer_refused(Transfer& t);
   [[noreturn]] void corrupt() const {
     fail(ErrorCode::MISMATCH, peer_, "corrupt message from rank " + std::to_string(peer_) + " over UCX");
   }
@@ -145,19 +173,36 @@ class UcxChannel final : public Channel {
   ucp_ep_h ep_ = nullptr;
   ucs_status_t ep_status_ = UCS_OK;
   bool broken_ = false;     // a transfer was abandoned: no clean close
+  bool peer_left_ = false;  // the peer closed first: nothing to flush towards it
   bool forgotten_ = false;  // a forked child's copy: touch nothing
   // In flight: at most one send (header + payload) and one receive (Channel's contract).
   const Transfer* send_of_ = nullptr;
   void* send_req_[2] = {nullptr, nullptr};
   std::vector<char> send_bounce_;
+  // Same-host reads (see the top): `reads_` until the peer refused one. A send offered for
+  // reading waits for the answer in `answer_in_`; a receive answers from `answer_out_`.
+  bool reads_;
+  // The receiver reads it back before its first read (the pid is its peer's) and after each
+  // payload; a send abandoned while offered changes it, so a read that may have raced the
+  // caller's next write to the buffer is caught instead of delivered.
+  std::atomic<uint64_t> cookie_;
+  bool peer_checked_ = false;  // the first offer's cookie was read back from the peer
+  void* answer_req_ = nullptr;
+  ucp_tag_recv_info_t answer_info_{};
+  char answer_in_ = 0, answer_out_ = 0;
+  void* answer_out_req_ = nullptr;
+  bool send_offered_ = false;
+  ReadOffer offer_{};
+  uint64_t offered_len_ = 0;
   const Transfer* recv_of_ = nullptr;
   Recv recv_ = Recv::IDLE;
   void* recv_req_ = nullptr;
   ucp_tag_recv_info_t recv_info_{};  // the latest receive's length
   std::vector<char> recv_bounce_;
   // A header-only receive (P2P reads the header, then posts the body separately) leaves the
-  // message's payload behind: inline in `stash_`, or as the part-1 message still to come.
-  bool stashed_ = false, payload_follows_ = false;
+  // message's payload behind: inline in `stash_`, as the part-1 message still to come, or
+  // offered for reading (`offer_`).
+  bool stashed_ = false, payload_follows_ = false, offer_follows_ = false;
   std::vector<char> stash_;
   std::vector<char> drain_;  // where a drained payload goes
 };
@@ -165,7 +210,9 @@ class UcxChannel final : public Channel {
 UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote,
                        bool same_host)
     : Channel(peer), u_(u), w_(w), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
-      peer_errors_(!same_host), send_bounce_(kHeader + kInlineBytes), recv_bounce_(kHeader + kInlineBytes) {
+      peer_errors_(!same_host), send_bounce_(kHeader + kInlineBytes), reads_(same_host),
+      cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
+      recv_bounce_(kHeader + kInlineBytes) {
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = reinterpret_cast<const ucp_address_t*>(remote.data());
@@ -183,18 +230,20 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
 
 UcxChannel::~UcxChannel() {
   if (forgotten_) return;
-  for (void** r : {&send_req_[0], &send_req_[1], &recv_req_}) {
+  for (void** r : {&send_req_[0], &send_req_[1], &recv_req_, &answer_req_, &answer_out_req_}) {
     if (!*r) continue;
-    if (r == &recv_req_) u_.ucp_request_cancel(w_.h, *r);
+    if (r == &recv_req_ || r == &answer_req_) u_.ucp_request_cancel(w_.h, *r);
     u_.ucp_request_free(*r);  // UCX completes it internally (the worker's destruction at last)
   }
   if (!ep_) return;
-  // A clean close flushes what is in flight; after a failure (or with UCX's error handling
-  // on) force it: the peer is gone or its operations already failed.
+  // A clean close flushes what is in flight. After a failure, or once the peer has closed,
+  // force it: the peer's operations already failed or ended, and a flush into its closed
+  // connection would only fail (UCX logs each such failure as an error).
+  const bool gone = broken_ || peer_left_;
+  if (gone && !peer_errors_) return;  // forcing needs error handling: the worker's end closes it
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = broken_ && peer_errors_ ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  if (broken_ && !peer_errors_) return;  // forcing needs error handling: the worker's end closes it
+  p.flags = gone ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   void* r = u_.ucp_ep_close_nbx(ep_, &p);
   if (!UCS_PTR_IS_PTR(r)) return;
   const auto until = Clock::now() + kCloseWait;
@@ -210,11 +259,11 @@ void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part) {
   return r;  // null: completed at once
 }
 
-void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part) {
+void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_info_t* info) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
-  p.recv_info.tag_info = &recv_info_;
-  recv_info_ = {};
+  p.recv_info.tag_info = info;
+  *info = {};
   void* r = u_.ucp_tag_recv_nbx(w_.h, buf, len, peer_tag_ | part, ~uint64_t{0}, &p);
   if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer_, "receive");
   return r;  // null: completed at once, recv_info_ says how long it was
@@ -248,6 +297,14 @@ bool UcxChannel::progress_send(Transfer& t) {
       std::memcpy(send_bounce_.data(), &t.hdr, kHeader);
       if (t.len) std::memcpy(send_bounce_.data() + kHeader, t.buf, t.len);
       send_req_[0] = post_send(send_bounce_.data(), kHeader + t.len, kHeaderPart);
+    } else if (reads_ && t.len >= kReadMinBytes) {  // offered for reading; the answer ends it
+      const ReadOffer offer{uint64_t(getpid()), reinterpret_cast<uint64_t>(t.buf),
+                            reinterpret_cast<uint64_t>(&cookie_), cookie_.load()};
+      std::memcpy(send_bounce_.data(), &t.hdr, kHeader);
+      std::memcpy(send_bounce_.data() + kHeader, &offer, sizeof offer);
+      answer_req_ = post_recv(&answer_in_, 1, kAckPart, &answer_info_);
+      send_req_[0] = post_send(send_bounce_.data(), kHeader + sizeof offer, kHeaderPart);
+      send_offered_ = true;
     } else {  // both at once: UCX keeps their order on the wire
       send_req_[0] = post_send(&t.hdr, kHeader, kHeaderPart);
       send_req_[1] = post_send(t.buf, t.len, kPayloadPart);
@@ -255,6 +312,16 @@ bool UcxChannel::progress_send(Transfer& t) {
     moved = true;
   }
   if (!finished(send_req_[0], nullptr) || !finished(send_req_[1], nullptr)) return moved;
+  if (send_offered_) {
+    if (!finished(answer_req_, nullptr)) return moved;
+    send_offered_ = false;
+    if (answer_in_ == kReadRefused) {  // the payload goes through UCX after all
+      reads_ = false;
+      send_req_[1] = post_send(t.buf, t.len, kPayloadPart);
+      return true;
+    }
+    if (answer_in_ != kReadOk) corrupt();
+  }
   t.hdr_done = kHeader;
   t.done = t.len;
   send_of_ = nullptr;
@@ -267,7 +334,7 @@ bool UcxChannel::progress_recv(Transfer& t) {
     recv_of_ = &t;
     moved = true;
     if (t.with_header) {
-      recv_req_ = post_recv(recv_bounce_.data(), recv_bounce_.size(), kHeaderPart);
+      recv_req_ = post_recv(recv_bounce_.data(), recv_bounce_.size(), kHeaderPart, &recv_info_);
       recv_ = Recv::HEADER;
     } else if (stashed_) {  // the body of the message whose header was read alone
       if (stash_.size() != t.len) corrupt();
@@ -277,16 +344,22 @@ bool UcxChannel::progress_recv(Transfer& t) {
       recv_of_ = nullptr;
       return true;
     } else if (payload_follows_) {
-      recv_req_ = post_recv(t.buf, t.len, kPayloadPart);
+      recv_req_ = post_recv(t.buf, t.len, kPayloadPart, &recv_info_);
       recv_ = Recv::PAYLOAD;
+    } else if (offer_follows_) {
+      if (offered_len_ != t.len) corrupt();
+      offer_follows_ = false;
+      recv_ = Recv::READ;
     } else {
       fail(ErrorCode::SYSTEM, peer_, "a body receive without its header");
     }
   }
+  if (recv_ == Recv::READ) return read_offered(t) || moved;
   size_t length = 0;
   if (!finished(recv_req_, &length)) return moved;
   if (recv_ == Recv::HEADER) {
     header_arrived(t, length);
+    if (recv_ == Recv::READ) return read_offered(t) || true;
   } else {
     if (length != t.len) corrupt();
     t.done = t.len;
@@ -307,9 +380,16 @@ void UcxChannel::header_arrived(Transfer& t, size_t length) {
   accept_header(t, peer_);  // throws on a mismatch; SPLITS may switch `t` to draining
   const uint64_t len = t.got.len;
   const bool inline_payload = len <= kInlineBytes;
-  if (length != kHeader + (inline_payload ? len : 0)) corrupt();
+  const bool offered = !inline_payload && length == kHeader + sizeof(ReadOffer);
+  if (length != kHeader + (inline_payload ? len : 0) && !offered) corrupt();
   const bool header_only = t.len == 0 && len > 0;  // NONE: the caller posts the body next
-  if (inline_payload) {
+  if (offered) {
+    if (peer_errors_) corrupt();  // offers come from peers on this host only
+    std::memcpy(&offer_, recv_bounce_.data() + kHeader, sizeof offer_);
+    offered_len_ = len;
+    if (header_only) offer_follows_ = true;
+    else recv_ = Recv::READ;
+  } else if (inline_payload) {
     if (header_only) {
       stash_.assign(recv_bounce_.data() + kHeader, recv_bounce_.data() + length);
       stashed_ = true;
@@ -325,9 +405,64 @@ void UcxChannel::header_arrived(Transfer& t, size_t length) {
     // lengths are what the peer's own splits say).
     if (t.drain && t.len > kMaxDrainBytes) fail_splits(t.got, t.hdr, peer_);  // fail now, not allocate
     if (t.drain) drain_.resize(t.len);
-    recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart);
+    recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart, &recv_info_);
     recv_ = Recv::PAYLOAD;
   }
+}
+
+// Reads the next slice of an offered payload from the sender's memory; once all of it is
+// in (or, draining, at once), answers so. Refuses when this rank may not read the sender.
+bool UcxChannel::read_offered(Transfer& t) {
+  if (answer_out_req_ && !finished(answer_out_req_, nullptr)) return false;  // the last answer
+  auto read = [&](uint64_t addr, void* dst, size_t len) {
+    iovec mine{dst, len}, theirs{reinterpret_cast<void*>(addr), len};
+    return process_vm_readv(static_cast<pid_t>(offer_.pid), &mine, 1, &theirs, 1, 0);
+  };
+  auto cookie_holds = [&] {
+    uint64_t cookie = 0;
+    return read(offer_.cookie_addr, &cookie, sizeof cookie) == ssize_t(sizeof cookie) && cookie == offer_.cookie;
+  };
+  if (!peer_checked_) {
+    if (!cookie_holds()) {
+      offer_refused(t);
+      return true;
+    }
+    peer_checked_ = true;
+  }
+  if (t.drain) t.done = t.len;
+  while (t.done < t.len) {
+    const size_t len = std::min(kReadSliceBytes, t.len - t.done);
+    const ssize_t n = read(offer_.addr + t.done, t.buf + t.done, len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0)
+      fail(ErrorCode::PEER_FAILURE, peer_,
+           "cannot read the buffer of rank " + std::to_string(peer_) + " (process_vm_readv: " +
+               (n < 0 ? std::strerror(errno) : "nothing read") + ")");
+    t.done += static_cast<size_t>(n);
+    if (t.done < t.len) return true;  // one slice per call: the operation's other transfers move
+  }
+  if (!t.drain && !cookie_holds())
+    fail(ErrorCode::PEER_FAILURE, peer_,
+         "rank " + std::to_string(peer_) + " gave up its send while it was being read (its operation failed)");
+  answer_offer(kReadOk);
+  recv_of_ = nullptr;
+  recv_ = Recv::IDLE;
+  return true;
+}
+
+void UcxChannel::answer_offer(char answer) {
+  answer_out_ = answer;
+  answer_out_req_ = post_send(&answer_out_, 1, kAckPart);
+}
+
+// This rank may not read the sender (ptrace rules, or its pid is of another namespace): say
+// so, and receive the payload, which the sender now sends, through UCX.
+void UcxChannel::offer_refused(Transfer& t) {
+  answer_offer(kReadRefused);
+  reads_ = false;
+  if (t.drain) drain_.resize(t.len);
+  recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart, &recv_info_);
+  recv_ = Recv::PAYLOAD;
 }
 
 void UcxChannel::abandon(Transfer& t) {
@@ -342,11 +477,19 @@ void UcxChannel::abandon(Transfer& t) {
     recv_req_ = nullptr;
     recv_of_ = nullptr;
   }
+  if (&t == recv_of_ && recv_ == Recv::READ) {  // nothing in flight: reads are synchronous
+    recv_of_ = nullptr;
+    recv_ = Recv::IDLE;
+  }
   if (&t == send_of_) {
     // Sends cannot be cancelled; the endpoint is force-closed (or dropped with the worker)
-    // at release, and nothing progresses this worker before then.
+    // at release, and nothing progresses this worker before then. The answer's receive
+    // writes only into this channel.
     for (void*& r : send_req_)
       if (r) u_.ucp_request_free(r), r = nullptr;
+    if (answer_req_) u_.ucp_request_cancel(w_.h, answer_req_), u_.ucp_request_free(answer_req_), answer_req_ = nullptr;
+    if (send_offered_) cookie_.fetch_add(1);  // seq_cst: before the caller can touch t.buf
+    send_offered_ = false;
     send_of_ = nullptr;
   }
 }
