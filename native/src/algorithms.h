@@ -42,6 +42,59 @@ void tree_reduce(Comm& c, const Coll& op);
 void tree_all_reduce(Comm& c, const Coll& op);
 void tree_broadcast(Comm& c, const Group& g, const Coll& op);
 void tree_reduce(Comm& c, const Group& g, const Coll& op);
+// The broadcast as Steps, pipelined: each step receives chunk k+1 from the parent while it
+// sends chunk k to the children. At the tree's root, `feed` (another broadcast, in another
+// lane) says how many chunks are in op.recv: the two-level broadcast forwards each chunk
+// inside the host as soon as it has crossed the network.
+class TreeBroadcast final : public Steps {
+ public:
+  TreeBroadcast(Comm& c, const Group& g, const Coll& op, const TreeBroadcast* feed = nullptr);
+  int width() const override { return 1 + static_cast<int>(tree_.children.size()); }
+  int next(Transfer* ts) override;
+  int have() const;  // chunks complete in op.recv
+
+ private:
+  Comm& c_;
+  const Group& g_;
+  const Coll op_;
+  const BinomialTree tree_;
+  const size_t step_;
+  const int chunks_;
+  const WireHeader h_;
+  const TreeBroadcast* const feed_;
+  int received_ = 0, sent_ = 0;  // chunks received from the parent, sent to every child
+  bool recv_posted_ = false, send_posted_ = false;
+};
+// The reduce as Steps, chunk by chunk: the children's partial sums of a chunk (smallest
+// subtree first) folded into `acc`, which goes to the parent; the root folds into op.recv.
+// `tmp` and `acc` hold a chunk each (acc unused at the root). With a `feed` (another reduce,
+// in another lane, whose op.recv is this one's op.send), chunk k starts once the feed has
+// finished it: the two-level reduce sends each chunk of the host's sum across the network
+// as soon as it is complete.
+class TreeReduce final : public Steps {
+ public:
+  TreeReduce(Comm& c, const Group& g, const Coll& op, char* tmp, char* acc, const TreeReduce* feed = nullptr);
+  int width() const override { return 1; }
+  int next(Transfer* ts) override;
+  int have() const { return done_; }  // chunks complete (in op.recv at the root)
+
+ private:
+  Comm& c_;
+  const Group& g_;
+  const Coll op_;
+  const BinomialTree tree_;
+  const size_t step_;
+  const int chunks_;
+  const WireHeader h_;
+  char* const tmp_;
+  char* const acc_;
+  const TreeReduce* const feed_;
+  int done_ = 0;
+  size_t child_ = 0;           // children folded into the current chunk
+  bool started_ = false;       // the current chunk's own input is there
+  const char* left_ = nullptr;  // the current chunk's sum so far
+  enum class Posted { NONE, RECV, SEND } posted_ = Posted::NONE;
+};
 // rd.cc: recursive doubling (small all_reduce) and the dissemination barrier
 void rd_all_reduce(Comm& c, const Coll& op);
 void dissemination_barrier(Comm& c, const Coll& op);

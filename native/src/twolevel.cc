@@ -20,9 +20,11 @@ constexpr size_t kShardMinBytes = 64 << 10;
 constexpr size_t kRdMaxBytes = 64 << 10;  // as in select.cc: recursive doubling only while small
 
 // Scratch slots 0-2 belong to the ring and tree, 3 to the PREMUL_SUM input (engine.cc);
-// 4 holds a reordered buffer, 5 what arrives from the network beside a ring's chunk.
+// 4 holds a reordered buffer, 5 what arrives from the network beside a ring's chunk, 6 the
+// network lane's partial sum beside the host's tree.
 constexpr int kPackScratch = 4;
 constexpr int kNetScratch = 5;
+constexpr int kNetAccScratch = 6;
 
 char* at(char* base, size_t elems, const Coll& op) { return base + elems * op.elem; }
 
@@ -321,34 +323,47 @@ void twolevel_all_gather(Comm& c, const Coll& op) {
 }
 
 // Across the hosts' leaders (the root leads its own host), then inside each host.
+// A leader forwards each chunk inside its host as soon as it has arrived from the network
+// (two lanes), so the host's tree runs behind the leaders' instead of after it.
 void twolevel_broadcast(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const Group leaders = t.leaders(c.rank, op.root);
-  if (leaders.me >= 0) {
-    Coll top = op;
-    top.root = leaders.position(op.root);
-    tree_broadcast(c, leaders, top);
-  }
   Coll inside = op;
   inside.root = t.local.position(t.leader(op.root));
-  tree_broadcast(c, t.local, inside);
+  if (leaders.me < 0) {
+    tree_broadcast(c, t.local, inside);
+    return;
+  }
+  Coll top = op;
+  top.root = leaders.position(op.root);
+  TreeBroadcast network(c, leaders, top);
+  TreeBroadcast host(c, t.local, inside, &network);  // this leader is the host tree's root
+  Steps* lanes[] = {&network, &host};
+  c.run_lanes(lanes, 2);
 }
 
-// Inside each host to its leader, then across the leaders to the root.
+// Inside each host to its leader, then across the leaders to the root. A leader sends each
+// chunk of its host's sum across as soon as it is complete (two lanes).
 void twolevel_reduce(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const int leader = t.leader(op.root);
   Coll inside = op;
   inside.root = t.local.position(leader);
-  // A leader other than the root keeps its host's sum in scratch: its output is not written.
-  if (c.rank == leader && c.rank != op.root) inside.recv = c.scratch(kPackScratch, op.count * op.elem);
-  tree_reduce(c, t.local, inside);
   const Group leaders = t.leaders(c.rank, op.root);
-  if (leaders.me < 0) return;
+  if (leaders.me < 0) {
+    tree_reduce(c, t.local, inside);
+    return;
+  }
+  // A leader other than the root keeps its host's sum in scratch: its output is not written.
+  if (c.rank != op.root) inside.recv = c.scratch(kPackScratch, op.count * op.elem);
   Coll top = op;
   top.send = inside.recv;
   top.root = leaders.position(op.root);
-  tree_reduce(c, leaders, top);
+  const size_t chunk = ring_chunk_bytes(c, op.elem);
+  TreeReduce host(c, t.local, inside, c.scratch(0, chunk), nullptr);  // this leader is its root
+  TreeReduce network(c, leaders, top, c.scratch(kNetScratch, chunk), c.scratch(kNetAccScratch, chunk), &host);
+  Steps* lanes[] = {&host, &network};
+  c.run_lanes(lanes, 2);
 }
 
 // Everyone in the host has arrived, the leaders agree, the host is released.
