@@ -523,10 +523,17 @@ UcxNet::UcxNet(const Ucp& u, int rank) : u_(u), rank_(rank) {
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_read: ") + u_.ucs_status_string(st));
   // CMA (process_vm_readv) from a peer that died aborts the whole process when the endpoint
   // has no error handling (UCX's cma_ep.c: a fatal error), which endpoints on one host do not
-  // (see UcxChannel). So every transport but CMA, unless UCX_TLS chooses; large messages on
-  // one host then go through UCX's shared-memory copies.
+  // (see UcxChannel). So every transport but CMA, unless UCX_TLS chooses; large payloads on
+  // one host are read by the channel itself instead (see the top).
   if (!std::getenv("UCX_TLS")) st = u_.ucp_config_modify(config, "TLS", "^cma");
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify: ") + u_.ucs_status_string(st));
+  // UCX's TCP moves eager fragments of 8 KiB: a collective's chunks (512 KiB) then cost 64
+  // sends each. Larger segments, unless the user set them.
+  for (auto [name, value] : {std::pair{"TCP_TX_SEG_SIZE", "64k"}, std::pair{"TCP_RX_SEG_SIZE", "256k"}}) {
+    if (std::getenv((std::string("UCX_") + name).c_str())) continue;
+    st = u_.ucp_config_modify(config, name, value);
+    if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify ") + name + ": " + u_.ucs_status_string(st));
+  }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
