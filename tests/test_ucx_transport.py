@@ -115,7 +115,6 @@ def test_available_names_the_import_error():
     assert "the libucx wheel cannot be loaded" in out.stdout, out.stdout + out.stderr
 
 
-
 def close_right_after(world, iterations, nbytes):
     """Communicators closed as soon as their last collective returns: a rank that finishes
     first says goodbye while its last fragments still wait in a peer's UCX shared-memory
@@ -157,16 +156,20 @@ def large_payloads(world):
         if not (a == n * (n + 1) / 2).all():
             problems.append(f"rank {r}: all_reduce of {count} wrong")
     # rank 0 sends 64 Ki elements to each peer, which expect 32 Ki: the peers report the
-    # disagreement after the exchange ran to its end (rank 0's offers dropped unread)
+    # disagreement after the exchange ran to its end (rank 0's offers dropped unread). On a
+    # communicator of its own: the failure leaves it unusable, and `world` is the session's.
     block = 1 << 16
     mine = [block] * n if r == 0 else [block // 2] * n
     expect = [block] + [block // 2] * (n - 1) if r == 0 else [block // 2] * n
+    sub = world.split(0)
     try:
-        world.all_to_all(np.zeros(sum(expect), np.float32), np.ones(sum(mine), np.float32), expect, mine)
+        sub.all_to_all(np.zeros(sum(expect), np.float32), np.ones(sum(mine), np.float32), expect, mine)
         if r != 0:
             problems.append(f"rank {r}: disagreeing splits were not reported")
     except comm.Mismatch:
         pass
+    sub.close()
+    world.barrier()  # the session's communicator still works
     return problems
 
 
