@@ -42,6 +42,20 @@ void tree_reduce(Comm& c, const Coll& op);
 void tree_all_reduce(Comm& c, const Coll& op);
 void tree_broadcast(Comm& c, const Group& g, const Coll& op);
 void tree_reduce(Comm& c, const Group& g, const Coll& op);
+// What the tree's Steps share: the binomial tree over g (op.root a position in it), op in
+// chunks of opt.chunk_bytes, and the header every chunk carries.
+struct TreeChunks {
+  TreeChunks(Comm& c, const Group& g, const Coll& op);
+  size_t offset(int k) const { return k * step * op.elem; }  // chunk k's byte offset
+  size_t elems(int k) const { return std::min(step, op.count - std::min(k * step, op.count)); }
+  Comm& c;
+  const Group& g;
+  const Coll op;
+  const BinomialTree tree;
+  const size_t step;  // elements per chunk
+  const int chunks;
+  const WireHeader h;
+};
 // The broadcast as Steps, pipelined: each step receives chunk k+1 from the parent while it
 // sends chunk k to the children. At the tree's root, `feed` (another broadcast, in another
 // lane) says how many chunks are in op.recv: the two-level broadcast forwards each chunk
@@ -49,18 +63,12 @@ void tree_reduce(Comm& c, const Group& g, const Coll& op);
 class TreeBroadcast final : public Steps {
  public:
   TreeBroadcast(Comm& c, const Group& g, const Coll& op, const TreeBroadcast* feed = nullptr);
-  int width() const override { return 1 + static_cast<int>(tree_.children.size()); }
+  int width() const override { return 1 + static_cast<int>(t_.tree.children.size()); }
   int next(Transfer* ts) override;
   int have() const;  // chunks complete in op.recv
 
  private:
-  Comm& c_;
-  const Group& g_;
-  const Coll op_;
-  const BinomialTree tree_;
-  const size_t step_;
-  const int chunks_;
-  const WireHeader h_;
+  const TreeChunks t_;
   const TreeBroadcast* const feed_;
   int received_ = 0, sent_ = 0;  // chunks received from the parent, sent to every child
   bool recv_posted_ = false, send_posted_ = false;
@@ -79,13 +87,7 @@ class TreeReduce final : public Steps {
   int have() const { return done_; }  // chunks complete (in op.recv at the root)
 
  private:
-  Comm& c_;
-  const Group& g_;
-  const Coll op_;
-  const BinomialTree tree_;
-  const size_t step_;
-  const int chunks_;
-  const WireHeader h_;
+  const TreeChunks t_;
   char* const tmp_;
   char* const acc_;
   const TreeReduce* const feed_;

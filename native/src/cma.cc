@@ -4,7 +4,6 @@
 // L2-sized chunks that are reduced while still in cache. all_reduce moves (n-1)/n of the
 // buffer per rank per phase like the ring, but with one copy instead of two and no
 // per-step synchronisation: three flag rounds in total.
-#include <sys/uio.h>
 
 #include <cstring>
 
@@ -46,21 +45,11 @@ std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
 }
 
 void read_remote(Comm& c, const Remote& from, int peer, uint64_t addr, char* dst, size_t bytes) {
-  while (bytes > 0) {
-    iovec local{dst, bytes};
-    iovec remote{reinterpret_cast<void*>(addr), bytes};
-    ssize_t n = process_vm_readv(from.pid, &local, 1, &remote, 1, 0);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      c.check_alive();
-      fail(ErrorCode::PEER_FAILURE, peer,
-           "cannot read the buffer of rank " + std::to_string(peer) + " (process_vm_readv: " +
-               std::strerror(errno) + ")");
-    }
-    dst += n;
-    addr += static_cast<uint64_t>(n);
-    bytes -= static_cast<size_t>(n);
-  }
+  if (read_process(from.pid, addr, dst, bytes)) return;
+  const int err = errno;
+  c.check_alive();  // a peer that died says so, rather than "cannot read"
+  errno = err;
+  fail_unreadable(peer);
 }
 
 // out[0:n) = in[0:n) op (block at `offset` of every peer's send buffer), chunk by chunk.

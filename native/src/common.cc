@@ -1,5 +1,7 @@
 #include "common.h"
 
+#include <sys/uio.h>
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -24,6 +26,30 @@ void fail(ErrorCode code, int peer, std::string msg) { throw CommError(code, pee
 
 void fail_errno(const std::string& what) {
   fail(ErrorCode::SYSTEM, -1, what + ": " + std::strerror(errno));
+}
+
+bool read_process(int pid, uint64_t addr, void* dst, size_t bytes) {
+  char* to = static_cast<char*>(dst);
+  while (bytes > 0) {
+    iovec local{to, bytes};
+    iovec remote{reinterpret_cast<void*>(addr), bytes};
+    const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = 0;
+      return false;
+    }
+    to += n;
+    addr += static_cast<uint64_t>(n);
+    bytes -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+void fail_unreadable(int peer) {
+  fail(ErrorCode::PEER_FAILURE, peer,
+       "cannot read the buffer of rank " + std::to_string(peer) + " (process_vm_readv: " +
+           (errno ? std::strerror(errno) : "nothing read") + ")");
 }
 
 SignalCheck signal_check = nullptr;

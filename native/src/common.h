@@ -44,6 +44,12 @@ struct CommError : std::exception {
 // Throws SYSTEM with strerror(errno) appended.
 [[noreturn]] void fail_errno(const std::string& what);
 
+// Copies `bytes` at `addr` of process `pid` into `dst` (process_vm_readv: one copy between
+// processes); false, with errno set (0 for a short read), when they cannot all be read.
+bool read_process(int pid, uint64_t addr, void* dst, size_t bytes);
+// PEER_FAILURE: the memory of rank `peer` could not be read (errno from read_process).
+[[noreturn]] void fail_unreadable(int peer);
+
 using Clock = std::chrono::steady_clock;
 
 // Signals (Ctrl-C) reach a thread blocked in the engine through this hook, which the Python

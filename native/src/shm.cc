@@ -5,7 +5,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -144,10 +143,7 @@ void ShmDomain::interrupt() const {
 bool ShmDomain::probe_cma(int local) const {
   const SegHeader* h = seg(local);
   uint64_t value = 0;
-  iovec mine{&value, sizeof value};
-  iovec theirs{reinterpret_cast<void*>(h->probe_addr), sizeof value};
-  ssize_t n = process_vm_readv(static_cast<pid_t>(h->pid), &mine, 1, &theirs, 1, 0);
-  return n == static_cast<ssize_t>(sizeof value) && value == kProbeValue;
+  return read_process(static_cast<int>(h->pid), h->probe_addr, &value, sizeof value) && value == kProbeValue;
 }
 
 ShmChannel::ShmChannel(const ShmDomain& shm, int peer_global, Stream s)

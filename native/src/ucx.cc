@@ -18,7 +18,6 @@
 // twice through its shared-memory queue. A receiver that may not read the sender (ptrace
 // rules, another pid namespace) answers so, and the payload then travels through UCX.
 #include <dlfcn.h>
-#include <sys/uio.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
@@ -414,13 +413,10 @@ void UcxChannel::header_arrived(Transfer& t, size_t length) {
 // in (or, draining, at once), answers so. Refuses when this rank may not read the sender.
 bool UcxChannel::read_offered(Transfer& t) {
   if (answer_out_req_ && !finished(answer_out_req_, nullptr)) return false;  // the last answer
-  auto read = [&](uint64_t addr, void* dst, size_t len) {
-    iovec mine{dst, len}, theirs{reinterpret_cast<void*>(addr), len};
-    return process_vm_readv(static_cast<pid_t>(offer_.pid), &mine, 1, &theirs, 1, 0);
-  };
+  const int pid = static_cast<int>(offer_.pid);
   auto cookie_holds = [&] {
     uint64_t cookie = 0;
-    return read(offer_.cookie_addr, &cookie, sizeof cookie) == ssize_t(sizeof cookie) && cookie == offer_.cookie;
+    return read_process(pid, offer_.cookie_addr, &cookie, sizeof cookie) && cookie == offer_.cookie;
   };
   if (!peer_checked_) {
     if (!cookie_holds()) {
@@ -430,15 +426,10 @@ bool UcxChannel::read_offered(Transfer& t) {
     peer_checked_ = true;
   }
   if (t.drain) t.done = t.len;
-  while (t.done < t.len) {
+  if (t.done < t.len) {
     const size_t len = std::min(kReadSliceBytes, t.len - t.done);
-    const ssize_t n = read(offer_.addr + t.done, t.buf + t.done, len);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0)
-      fail(ErrorCode::PEER_FAILURE, peer_,
-           "cannot read the buffer of rank " + std::to_string(peer_) + " (process_vm_readv: " +
-               (n < 0 ? std::strerror(errno) : "nothing read") + ")");
-    t.done += static_cast<size_t>(n);
+    if (!read_process(pid, offer_.addr + t.done, t.buf + t.done, len)) fail_unreadable(peer_);
+    t.done += len;
     if (t.done < t.len) return true;  // one slice per call: the operation's other transfers move
   }
   if (!t.drain && !cookie_holds())
