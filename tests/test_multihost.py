@@ -129,8 +129,7 @@ def suite(world, placement):
             problems.append(f"rank {r}: reduce_scatter wrong under {name} ({algo})")
         if (algo == "twolevel") != (shards and name == "auto"):
             problems.append(f"rank {r}: reduce_scatter ran {algo} under {name}; two-level expected: {shards}")
-    # all_to_all: aggregated per host pair where every host holds as many ranks
-    uniform = len({len(h) for h in topo.hosts}) == 1
+    # all_to_all: aggregated per host pair on every placement that is two-level
     y = (np.arange(n * 5003, dtype=np.int64) * (r + 7)) % 100_003
     swapped = {}
     for name, c in (("auto", world), ("flat", flat), ("twolevel", forced)):
@@ -142,7 +141,7 @@ def suite(world, placement):
     for name, (out, algo) in swapped.items():
         if not np.array_equal(out, want):
             problems.append(f"rank {r}: all_to_all wrong under {name} ({algo})")
-    if (swapped["auto"][1] == "twolevel") != (two_level and uniform) or swapped["flat"][1] == "twolevel":
+    if (swapped["auto"][1] == "twolevel") != two_level or swapped["flat"][1] == "twolevel":
         problems.append(f"rank {r}: all_to_all ran {swapped['auto'][1]} (flat: {swapped['flat'][1]})")
     for c in (flat, forced, sub):
         c.close()
@@ -151,7 +150,8 @@ def suite(world, placement):
 
 def check_segmented(world):
     """The sharded two-level all_reduce runs in segments of 4 MiB whose network phase overlaps
-    the shared-memory phases of its neighbours: 4 segments here (the last one an element
+    the shared-memory phases of its neighbours (reduce_scatter and all_gather too, on uniform
+    placements): 4 segments here (the last one an element
     short), in and out of place, integer values so any order of summation is exact."""
     r, n, problems = world.rank, world.size, []
     count = (5 << 20) + 7
@@ -168,6 +168,22 @@ def check_segmented(world):
                             f"element {bad} is {got[bad]}, want {want[bad]}")
         if not inplace and not np.array_equal(x, ins[r]):
             problems.append(f"rank {r}: segmented all_reduce changed its input")
+    # reduce_scatter and all_gather on uniform placements run the same segments over packed
+    # blocks: 4 segments of uneven sizes (each rank's block is not a multiple of 4)
+    block = (5 << 20) // n + 3
+    rs_ins = [(np.arange(n * block, dtype=np.int64) * (q + 5) % 1013).astype(np.int32) for q in range(n)]
+    rs_want = sum(a.astype(np.int64) for a in rs_ins).astype(np.int32)[r * block:(r + 1) * block]
+    out = np.empty(block, np.int32)
+    world.reduce_scatter(out, rs_ins[r])
+    if not np.array_equal(out, rs_want):
+        bad = int(np.flatnonzero(out != rs_want)[0])
+        problems.append(f"rank {r}: segmented reduce_scatter: element {bad} is {out[bad]}, want {rs_want[bad]}")
+    gathered = np.empty(n * block, np.int32)
+    world.all_gather(gathered, rs_ins[r][:block])
+    ag_want = np.concatenate([a[:block] for a in rs_ins])
+    if not np.array_equal(gathered, ag_want):
+        bad = int(np.flatnonzero(gathered != ag_want)[0])
+        problems.append(f"rank {r}: segmented all_gather: element {bad} is {gathered[bad]}, want {ag_want[bad]}")
     return problems
 
 
@@ -202,7 +218,7 @@ def moe_layer(world):
     return ep_layer_all(world), world._transport.last_algorithm
 
 
-@pytest.mark.parametrize("name", ["2x2", "cyclic"])
+@pytest.mark.parametrize("name", ["2x2", "cyclic", "3+1"])
 def test_moe_layer_across_hosts(hosts, name):
     """Expert-parallel dispatch and combine, whose all_to_all_v runs aggregated per host pair."""
     c = start(hosts, PLACEMENTS[name])
@@ -230,11 +246,14 @@ def splits_disagree(world, a, b):
     return None, "", out.tolist()
 
 
-@pytest.mark.parametrize("a,b", [(1, 2), (0, 1)], ids=["across hosts", "same host"])
-def test_all_to_all_splits_disagree(hosts, a, b):
-    """2 hosts x 2 ranks, all_to_all aggregated per host pair: a block from host 1 reaches
-    rank 1 through rank 3; its header still names what rank 2 sent and expects."""
-    c = start(hosts, [0, 0, 1, 1], COMM_TIMEOUT=str(TIMEOUT))
+@pytest.mark.parametrize("placement,a,b", [("2x2", 1, 2), ("2x2", 0, 1), ("3+2", 4, 2), ("3+2", 2, 3)],
+                         ids=["across hosts", "same host", "uneven, through a forwarder", "uneven, to a forwarder"])
+def test_all_to_all_splits_disagree(hosts, placement, a, b):
+    """all_to_all aggregated per host pair: on 2x2 a block from host 1 reaches rank 1 through
+    rank 3; on 3+2 rank 2's block for rank 4 goes through rank 1, and rank 3 forwards every
+    block of host 1 for rank 2. Each header still names what its source sent and expects."""
+    n = len(PLACEMENTS[placement])
+    c = start(hosts, PLACEMENTS[placement], COMM_TIMEOUT=str(TIMEOUT))
     try:
         results = c.run(splits_disagree, a, b, timeout=TIMEOUT + 30)
     finally:
@@ -242,10 +261,10 @@ def test_all_to_all_splits_disagree(hosts, a, b):
     for r, other in ((a, b), (b, a)):
         error, text, _ = results[r]
         assert error == "Mismatch" and f"rank {other} sends" in text, f"rank {r}: {error} {text}"
-    for r in set(range(4)) - {a, b}:
+    for r in set(range(n)) - {a, b}:
         error, text, out = results[r]
         assert error is None, f"rank {r}: {error} {text}"
-        assert out == [float(q) for q in range(4) for _ in range(4)], f"rank {r}: {out}"
+        assert out == [float(q) for q in range(n) for _ in range(4)], f"rank {r}: {out}"
 
 
 def sizes_differ_by_host(world):

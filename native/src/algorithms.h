@@ -36,6 +36,10 @@ inline size_t ring_chunk_bytes(const Comm& c, size_t elem) { return chunk_elems(
 std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
                                                    char* tmp);
 std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
+// A reduce-scatter as Steps: the blocks of `work` are summed in place, and block g.me's sum
+// lands in op.recv at the last step.
+std::unique_ptr<Steps> ring_reduce_scatter_steps(Comm& c, const Group& g, const Coll& op, char* work,
+                                                 const Blocks& b, char* tmp);
 // tree.cc: binomial tree, latency log2(n)
 void tree_broadcast(Comm& c, const Coll& op);
 void tree_reduce(Comm& c, const Coll& op);
@@ -111,7 +115,7 @@ void twolevel_reduce(Comm& c, const Coll& op);
 void twolevel_barrier(Comm& c, const Coll& op);
 bool twolevel_fits(const Comm& c, const Coll& op);
 bool twolevel_shards_fit(const Comm& c, const Coll& op);  // every host holds two or more ranks
-// twolevel_a2a.cc: all_to_all aggregated per host pair (uniform placements)
+// twolevel_a2a.cc: all_to_all aggregated per host pair
 void twolevel_all_to_all(Comm& c, const Coll& op);
 bool twolevel_a2a_fits(const Comm& c, const Coll& op);
 // pairwise.cc: personalised exchanges

@@ -26,8 +26,6 @@ constexpr int kPackScratch = 4;
 constexpr int kNetScratch = 5;
 constexpr int kNetAccScratch = 6;
 
-char* at(char* base, size_t elems, const Coll& op) { return base + elems * op.elem; }
-
 // Input blocks reordered so that each local rank's share is contiguous: block (l, h), at
 // l*H + h, is the block of the rank at position l on host h.
 template <class Copy>
@@ -60,37 +58,48 @@ struct Owners {
   }
 };
 
-// The sharded all_reduce in segments, so that its phases overlap. Two lanes (run_lanes):
+// The sharded collectives in segments, so that their phases overlap. Two lanes (run_lanes):
 // the host's, over shared memory, runs RS0, RS1, AG0, RS2, AG1, ..., AG(P-1) (RSk: the
 // reduce-scatter of segment k inside the host; AGk its all-gather), in this one order on
 // every local rank, since the shared-memory streams carry them in turn; the network's runs
-// X0 ... X(P-1) (Xk: the all-reduce of this rank's block of segment k with the same local
-// rank of every host). Xk starts once RSk is done, AGk once Xk is. While Xk crosses the
-// link, RS(k+1) and AG(k-1) run inside the host, so the slower of the two (the link, when
-// it is the bound) sets the time instead of their sum. Every header carries the whole
-// op's signature, so ranks that called different sizes fail at the first transfer.
+// X0 ... X(P-1) (Xk: segment k of this rank's share with the same local rank of every
+// host). Xk starts once RSk is done, AGk once Xk is. While Xk crosses the link, RS(k+1)
+// and AG(k-1) run inside the host, so the slower of the two (the link, when it is the
+// bound) sets the time instead of their sum. all_reduce has all three phases,
+// reduce_scatter RS and X, all_gather X and AG. Every header carries the whole op's
+// signature, so ranks that called different sizes fail at the first transfer.
 class TwoLevelPipeline {
  public:
-  TwoLevelPipeline(Comm& c, const Coll& op)
-      : c_(c), op_(op), t_(c.topo), segs_{op.count, segments(op.count * op.elem)},
-        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))),
-        net_tmp_(c.scratch(kNetScratch, ring_chunk_bytes(c, op.elem))) {
+  enum Phase { RS, X, AG };
+
+  // `bytes`: the size of the whole exchange (an all_reduce's input), which sets the segments.
+  TwoLevelPipeline(Comm& c, const Coll& op, size_t count, size_t bytes, bool has_rs, bool has_ag)
+      : c_(c), op_(op), t_(c.topo), segs_{count, segments(bytes)}, has_rs_(has_rs) {
     const int p = segs_.n;
-    host_.items.push_back({RS, 0});
+    if (has_rs) host_.items.push_back({RS, 0});
     for (int k = 0; k < p; k++) {
-      if (k + 1 < p) host_.items.push_back({RS, k + 1});
-      host_.items.push_back({AG, k});
+      if (has_rs && k + 1 < p) host_.items.push_back({RS, k + 1});
+      if (has_ag) host_.items.push_back({AG, k});
       net_.items.push_back({X, k});
     }
   }
+  virtual ~TwoLevelPipeline() = default;
 
   void run() {
     Steps* lanes[] = {&host_, &net_};
     c_.run_lanes(lanes, 2);
   }
 
+ protected:
+  virtual std::unique_ptr<Steps> start(Phase phase, int seg) = 0;
+  virtual void finished(Phase, int) {}
+
+  Comm& c_;
+  const Coll& op_;
+  const Topology& t_;
+  const Blocks segs_;
+
  private:
-  enum Phase { RS, X, AG };
   // Up to 4 segments of at least 4 MiB: the first RS and the last AG are the phases not
   // hidden behind the link, a quarter of the host's work at 4 segments. More segments hide
   // more but cost a step round trip each and cut the network phase into short transfers:
@@ -116,11 +125,12 @@ class TwoLevelPipeline {
         if (cur_) {
           if (const int k = cur_->next(ts)) return k;
           cur_.reset();
+          p_.finished(items[i_].phase, items[i_].seg);
           p_.done_[items[i_++].phase]++;
         }
         if (i_ == items.size()) return 0;
         if (!p_.ready(items[i_])) return kWait;
-        cur_ = p_.start(items[i_]);
+        cur_ = p_.start(items[i_].phase, items[i_].seg);
       }
     }
 
@@ -131,16 +141,51 @@ class TwoLevelPipeline {
   };
 
   // Each lane finishes its segments in order, so a count of finished ones says which are.
-  bool ready(const Item& it) const { return it.phase == RS || done_[it.phase == X ? RS : X] > it.seg; }
+  bool ready(const Item& it) const {
+    if (it.phase == RS || (it.phase == X && !has_rs_)) return true;
+    return done_[it.phase == X ? RS : X] > it.seg;
+  }
 
-  std::unique_ptr<Steps> start(const Item& it) {
+  const bool has_rs_;
+  int done_[3] = {};
+  Lane host_{*this}, net_{*this};
+};
+
+// One algorithm after the other.
+class Then final : public Steps {
+ public:
+  Then(std::unique_ptr<Steps> a, std::unique_ptr<Steps> b) : a_(std::move(a)), b_(std::move(b)) {}
+  int next(Transfer* ts) override {
+    if (a_) {
+      if (const int k = a_->next(ts)) return k;
+      a_.reset();
+    }
+    return b_->next(ts);
+  }
+
+ private:
+  std::unique_ptr<Steps> a_, b_;
+};
+
+// all_reduce: segment k of the buffer is reduce-scattered inside the host (local rank l
+// owns block l of it), block l all-reduced with the l-th rank of every other host, and
+// all-gathered inside the host, all in op.recv.
+class ShardedAllReduce final : public TwoLevelPipeline {
+ public:
+  ShardedAllReduce(Comm& c, const Coll& op)
+      : TwoLevelPipeline(c, op, op.count, op.count * op.elem, true, true),
+        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))),
+        net_tmp_(c.scratch(kNetScratch, ring_chunk_bytes(c, op.elem))) {}
+
+ private:
+  std::unique_ptr<Steps> start(Phase phase, int k) override {
     const size_t e = op_.elem;
     Coll seg = op_;  // count stays the op's: it is the signature in the headers
-    seg.send = op_.send + segs_.offset(it.seg) * e;
-    seg.recv = op_.recv + segs_.offset(it.seg) * e;
-    const Blocks inside{segs_.size(it.seg), t_.local.size()};
-    if (it.phase == RS) return ring_reduce_to_blocks_steps(c_, t_.local, seg, inside, host_tmp_);
-    if (it.phase == AG) return ring_gather_blocks_steps(c_, t_.local, seg, seg.recv, inside);
+    seg.send = op_.send + segs_.offset(k) * e;
+    seg.recv = op_.recv + segs_.offset(k) * e;
+    const Blocks inside{segs_.size(k), t_.local.size()};
+    if (phase == RS) return ring_reduce_to_blocks_steps(c_, t_.local, seg, inside, host_tmp_);
+    if (phase == AG) return ring_gather_blocks_steps(c_, t_.local, seg, seg.recv, inside);
     Coll shard = seg;
     shard.send = shard.recv = seg.recv + inside.offset(t_.local.me) * e;
     const Blocks across{inside.size(t_.local.me), t_.cross.size()};
@@ -148,30 +193,71 @@ class TwoLevelPipeline {
                                   ring_gather_blocks_steps(c_, t_.cross, shard, shard.recv, across));
   }
 
-  // One algorithm after the other.
-  class Then final : public Steps {
-   public:
-    Then(std::unique_ptr<Steps> a, std::unique_ptr<Steps> b) : a_(std::move(a)), b_(std::move(b)) {}
-    int next(Transfer* ts) override {
-      if (a_) {
-        if (const int k = a_->next(ts)) return k;
-        a_.reset();
-      }
-      return b_->next(ts);
-    }
-
-   private:
-    std::unique_ptr<Steps> a_, b_;
-  };
-
-  Comm& c_;
-  const Coll& op_;
-  const Topology& t_;
-  const Blocks segs_;
   char* const host_tmp_;
   char* const net_tmp_;
-  int done_[3] = {};
-  Lane host_{*this}, net_{*this};
+};
+
+// reduce_scatter and all_gather (uniform placements): each rank's block is cut into the
+// segments, and segment k of every block is packed in scratch so that local rank l's share
+// is contiguous: block (l, h), at l*H + h, is segment k of the block of the rank at position
+// l on host h. reduce_scatter: RSk inside the host leaves local rank l the host's sum of
+// its share, Xk reduce-scatters that share between the hosts, the last step straight into
+// op.recv. all_gather: Xk all-gathers segment k of the ranks at this local position, AGk
+// all-gathers the shares inside the host, and each block goes to its rank's place.
+class PackedShards final : public TwoLevelPipeline {
+ public:
+  PackedShards(Comm& c, const Coll& op, bool reduce)
+      : TwoLevelPipeline(c, op, op.count, c.size * op.count * op.elem, reduce, !reduce),
+        reduce_(reduce), packed_(c.scratch(kPackScratch, c.size * op.count * op.elem)),
+        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))),
+        net_tmp_(c.scratch(kNetScratch, ring_chunk_bytes(c, op.elem))) {}
+
+ private:
+  // Segment k's packed blocks, and where block (l, h) of them starts.
+  char* seg_at(int k, size_t block = 0) const {
+    return packed_ + (c_.size * segs_.offset(k) + block * segs_.size(k)) * op_.elem;
+  }
+  // copy(block's place in the packing, rank) for every block of segment k.
+  template <class Copy>
+  void each_block(int k, Copy copy) const {
+    for_each_block(t_, [&](int b, int r) { copy(seg_at(k, b), r); });
+  }
+
+  std::unique_ptr<Steps> start(Phase phase, int k) override {
+    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e;
+    const int hosts = t_.cross.size(), l = t_.local.me;
+    Coll seg = op_;  // count stays the op's: it is the signature in the headers
+    if (phase == RS) {
+      each_block(k, [&](char* at, int r) { std::memcpy(at, op_.send + r * op_.count * e + off, sk * e); });
+      seg.send = seg.recv = seg_at(k);
+      return ring_reduce_to_blocks_steps(c_, t_.local, seg, Blocks{c_.size * sk, t_.local.size()}, host_tmp_);
+    }
+    if (phase == AG) {
+      seg.send = seg.recv = seg_at(k);
+      return ring_gather_blocks_steps(c_, t_.local, seg, seg_at(k), Blocks{c_.size * sk, t_.local.size()});
+    }
+    char* share = seg_at(k, static_cast<size_t>(l) * hosts);
+    const Blocks across{hosts * sk, hosts};
+    if (reduce_) {
+      seg.send = share;
+      seg.recv = op_.recv + off;
+      return ring_reduce_scatter_steps(c_, t_.cross, seg, share, across, net_tmp_);
+    }
+    std::memcpy(share + t_.host * sk * e, op_.send + off, sk * e);
+    seg.send = seg.recv = share;
+    return ring_gather_blocks_steps(c_, t_.cross, seg, share, across);
+  }
+
+  void finished(Phase phase, int k) override {
+    if (phase != AG) return;
+    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e;
+    each_block(k, [&](char* at, int r) { std::memcpy(op_.recv + r * op_.count * e + off, at, sk * e); });
+  }
+
+  const bool reduce_;  // reduce_scatter, else all_gather
+  char* const packed_;
+  char* const host_tmp_;
+  char* const net_tmp_;
 };
 
 }  // namespace
@@ -189,7 +275,7 @@ void twolevel_all_reduce(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
   const size_t bytes = op.count * op.elem;
   if (t.uniform() && bytes >= kShardMinBytes) {
-    TwoLevelPipeline(c, op).run();
+    ShardedAllReduce(c, op).run();
     return;
   }
   Coll up = op;
@@ -207,43 +293,6 @@ void twolevel_all_reduce(Comm& c, const Coll& op) {
 }
 
 namespace {
-
-// Uniform only: the input reordered (for_each_block), reduce-scatter inside the host leaves
-// local rank l the host's sum of the H blocks meant for position l on every host; a
-// reduce-scatter between those ranks (by host) hands each its own block.
-void uniform_reduce_scatter(Comm& c, const Coll& op) {
-  const Topology& t = c.topo;
-  const size_t hosts = t.hosts.size(), n = c.size, share = hosts * op.count;
-  char* packed = c.scratch(kPackScratch, n * op.count * op.elem);
-  for_each_block(t, [&](int dst, int src) {
-    std::memcpy(at(packed, dst * op.count, op), at(const_cast<char*>(op.send), src * op.count, op), op.count * op.elem);
-  });
-  Coll inside = op;
-  inside.send = inside.recv = packed;
-  inside.count = n * op.count;
-  ring_reduce_to_blocks(c, t.local, inside, Blocks{n * op.count, t.local.size()});
-  Coll across = op;
-  across.send = at(packed, t.local.me * share, op);
-  ring_reduce_scatter(c, t.cross, across);
-}
-
-// Uniform only: the reverse of uniform_reduce_scatter: all-gather between the ranks at one
-// local position (by host), all-gather of those shares inside the host, then each block to
-// its rank's place.
-void uniform_all_gather(Comm& c, const Coll& op) {
-  const Topology& t = c.topo;
-  const size_t hosts = t.hosts.size(), n = c.size, share = hosts * op.count;
-  char* packed = c.scratch(kPackScratch, n * op.count * op.elem);
-  Coll across = op;
-  across.recv = at(packed, t.local.me * share, op);
-  ring_all_gather(c, t.cross, across);
-  Coll inside = op;
-  inside.count = n * op.count;
-  ring_gather_blocks(c, t.local, inside, packed, Blocks{n * op.count, t.local.size()});
-  for_each_block(t, [&](int src, int dst) {
-    std::memcpy(at(op.recv, dst * op.count, op), at(packed, src * op.count, op), op.count * op.elem);
-  });
-}
 
 // What both uneven forms start from: this host's Owners, and scratch for every rank's block
 // grouped by owner (each owner's own block first in its group).
@@ -315,11 +364,13 @@ void uneven_all_gather(Comm& c, const Coll& op) {
 }  // namespace
 
 void twolevel_reduce_scatter(Comm& c, const Coll& op) {
-  c.topo.uniform() ? uniform_reduce_scatter(c, op) : uneven_reduce_scatter(c, op);
+  if (c.topo.uniform()) PackedShards(c, op, true).run();
+  else uneven_reduce_scatter(c, op);
 }
 
 void twolevel_all_gather(Comm& c, const Coll& op) {
-  c.topo.uniform() ? uniform_all_gather(c, op) : uneven_all_gather(c, op);
+  if (c.topo.uniform()) PackedShards(c, op, false).run();
+  else uneven_all_gather(c, op);
 }
 
 // Across the hosts' leaders (the root leads its own host), then inside each host.

@@ -1,20 +1,24 @@
-// all_to_all across hosts, aggregated per host pair (every host holds L ranks). The pairwise
-// exchange sends n-L messages over the network per rank, one per remote rank; this sends
-// H-1, each carrying the L blocks that the ranks of one host have for one rank of another:
+// all_to_all across hosts, aggregated per host pair. The pairwise exchange sends a message
+// over the network for every pair of ranks on different hosts; this sends one per remote
+// rank and host, carrying the blocks of all of a host's ranks for that rank. Local position
+// q of a host of L ranks forwards to the ranks at positions q, q+L, q+2L, ... of every other
+// host (uniform placements: to position q alone):
 //   1. the host's ranks all-gather their splits (what each sends to and expects from every
 //      rank), so each knows the sizes of all the blocks its host moves;
-//   2. inside the host, local rank m receives from every local rank the blocks meant for
-//      position m on every host (its own into the output, the others into a stage);
-//   3. across hosts, rank (h, m) sends to (h', m) the L blocks of its host's ranks meant for
-//      (h', m) back to back on one stream, and receives straight into the output. Steps 2
-//      and 3 overlap (Comm::run_lanes): its own blocks leave at once, each staged one as
-//      soon as it arrived.
+//   2. inside the host, local rank m receives from every local rank the blocks meant for the
+//      remote ranks it forwards to, and that rank's block for m itself (its own into the
+//      output, the others into a stage);
+//   3. across hosts, m sends each remote rank it forwards to the L blocks of its host's ranks
+//      back to back on one stream, and receives from one forwarder on every other host
+//      straight into the output. Steps 2 and 3 overlap (Comm::run_lanes): its own blocks
+//      leave at once, each staged one as soon as it arrived.
 // Every block's header carries both directions of its pair of ranks, source and final
 // destination, as in the pairwise exchange: `len` what it holds, `count` what its source
 // expects back (the forwarder has both from step 1). The destination checks both before
 // a payload byte lands, so a pair that disagrees fails with Mismatch on both of its ranks
 // (naming the other), after every other block arrived; no rank waits for a block that never
 // comes, nothing is written past a block.
+#include <algorithm>
 #include <cstring>
 
 #include "algorithms.h"
@@ -55,7 +59,7 @@ HostSplits gather_splits(Comm& c, const Coll& op) {
 
 }  // namespace
 
-bool twolevel_a2a_fits(const Comm& c, const Coll&) { return c.hierarchical() && c.topo.uniform(); }
+bool twolevel_a2a_fits(const Comm& c, const Coll&) { return c.hierarchical(); }
 
 void twolevel_all_to_all(Comm& c, const Coll& op) {
   const Topology& t = c.topo;
@@ -69,18 +73,27 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
     sdisp[i + 1] = sdisp[i] + sends[i] * e;
     rdisp[i + 1] = rdisp[i] + expects[i] * e;
   }
+  auto size_of = [&](int h) { return static_cast<int>(t.hosts[h].size()); };
+  // forwards[q]: the remote ranks that local position q forwards to, host by host.
+  std::vector<std::vector<int>> forwards(per_host);
+  for (int q = 0; q < per_host; q++)
+    for (int h = 0; h < hosts; h++)
+      for (int p = q; h != h0 && p < size_of(h); p += per_host) forwards[q].push_back(t.hosts[h][p]);
+  const std::vector<int>& mine = forwards[m];
+  size_t most = 0;
+  for (const auto& f : forwards) most = std::max(most, f.size());
 
   // 1. The splits of every local rank.
   const HostSplits split = gather_splits(c, op);
 
-  // The stage: for each other host h and local source l, the block l sends to (h, m).
-  auto staged_at = [&](int h, int l) { return static_cast<size_t>(h) * per_host + l; };
-  std::vector<size_t> stage_off(hosts * per_host + 1, 0);
-  for (int h = 0; h < hosts; h++)
+  // The stage: for each remote rank i this rank forwards to and each local source l, the
+  // block l sends to it.
+  auto staged_at = [&](size_t i, int l) { return i * per_host + l; };
+  std::vector<size_t> stage_off(mine.size() * per_host + 1, 0);
+  for (size_t i = 0; i < mine.size(); i++)
     for (int l = 0; l < per_host; l++) {
-      const bool staged = h != h0 && l != m;
-      const size_t i = staged_at(h, l);
-      stage_off[i + 1] = stage_off[i] + (staged ? split.sends(t.hosts[h0][l])[t.hosts[h][m]] * e : 0);
+      const size_t at = staged_at(i, l);
+      stage_off[at + 1] = stage_off[at] + (l != m ? split.sends(t.hosts[h0][l])[mine[i]] * e : 0);
     }
   char* stage = c.scratch(kStageScratch, stage_off.back());
 
@@ -99,55 +112,56 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
   SplitsDisagreement disagreed;
   if (sends[me]) std::memmove(op.recv + rdisp[me], op.send + sdisp[me], sends[me] * e);
 
-  // 2. Inside the host, one local peer a step (step s: to m+s, from m-s): the blocks for
-  // position m+s on every host go to m+s, those of m-s for position m arrive.
+  // 2. Inside the host, one local peer a step (step s: to m+s, from m-s): m+s gets its own
+  // block and those for the ranks it forwards to; m-s's arrive the same way. The own block
+  // goes first on each stream.
   int host_done = 0;  // steps of phase 2 finished
-  StepsOf host(2 * hosts, [&, s = 0](Transfer* ts) mutable {
-    if (s > 0) disagreed.note(ts[hosts + h0], t.hosts[h0][mod(m - s, per_host)]);
+  StepsOf host(2 * static_cast<int>(1 + most), [&, s = 0, own = 0](Transfer* ts) mutable {
+    if (s > 0) disagreed.note(ts[own], t.hosts[h0][mod(m - s, per_host)]);
     host_done = s;
     if (++s >= per_host) return 0;
     const int pt = mod(m + s, per_host), pf = mod(m - s, per_host);
     const int to = t.hosts[h0][pt], from = t.hosts[h0][pf];
-    for (int h = 0; h < hosts; h++) {
-      const int dst = t.hosts[h][pt];
-      ts[h] = c.send_to(to, op.send + sdisp[dst], sends[dst] * e, block_header(me, dst));
-      if (h == h0) {
-        ts[hosts + h] = c.recv_from(from, op.recv + rdisp[from], expects[from] * e, expected_header(from));
-        ts[hosts + h].check = Transfer::Check::SPLITS;
-      } else {
-        const size_t i = staged_at(h, pf);
-        ts[hosts + h] = c.recv_from(from, stage + stage_off[i], stage_off[i + 1] - stage_off[i],
-                                    block_header(from, t.hosts[h][m]));
-      }
+    int k = 0;
+    ts[k++] = c.send_to(to, op.send + sdisp[to], sends[to] * e, block_header(me, to));
+    for (int dst : forwards[pt]) ts[k++] = c.send_to(to, op.send + sdisp[dst], sends[dst] * e, block_header(me, dst));
+    own = k;
+    ts[k] = c.recv_from(from, op.recv + rdisp[from], expects[from] * e, expected_header(from));
+    ts[k++].check = Transfer::Check::SPLITS;
+    for (size_t i = 0; i < mine.size(); i++) {
+      const size_t at = staged_at(i, pf);
+      ts[k++] = c.recv_from(from, stage + stage_off[at], stage_off[at + 1] - stage_off[at], block_header(from, mine[i]));
     }
-    return 2 * hosts;
+    return k;
   });
-  // 3. Across hosts, to (h, m) on every other host h, the blocks of local sources m, m-1,
-  // m-2, ... in turn: this rank's own at once, each staged one as soon as phase 2 brought
-  // it, so the network works while the host does. (h, m) receives them in that order.
-  StepsOf out(hosts - 1, [&, j = -1](Transfer* ts) mutable {
-    if (j + 1 >= per_host) return 0;
+  // 3. Across hosts, to every remote rank this one forwards to, the blocks of local sources
+  // m, m-1, m-2, ... in turn: this rank's own at once, each staged one as soon as phase 2
+  // brought it, so the network works while the host does. Each receives them in that order.
+  StepsOf out(static_cast<int>(std::max<size_t>(mine.size(), 1)), [&, j = -1](Transfer* ts) mutable {
+    if (mine.empty() || j + 1 >= per_host) return 0;
     if (j + 1 > host_done) return static_cast<int>(Steps::kWait);
     const int l = mod(m - ++j, per_host), src = t.hosts[h0][l];
-    for (int s = 1; s < hosts; s++) {
-      const int h = mod(h0 + s, hosts), to = t.hosts[h][m];
-      const char* buf = j == 0 ? op.send + sdisp[to] : stage + stage_off[staged_at(h, l)];
-      ts[s - 1] = c.send_to(to, buf, split.sends(src)[to] * e, block_header(src, to));
+    for (size_t i = 0; i < mine.size(); i++) {
+      const int to = mine[i];
+      const char* buf = j == 0 ? op.send + sdisp[to] : stage + stage_off[staged_at(i, l)];
+      ts[i] = c.send_to(to, buf, split.sends(src)[to] * e, block_header(src, to));
     }
-    return hosts - 1;
+    return static_cast<int>(mine.size());
   });
-  StepsOf in(hosts - 1, [&, j = -1](Transfer* ts) mutable {
-    auto source = [&](int s) { return t.hosts[mod(h0 - s, hosts)][mod(m - j, per_host)]; };
-    if (j >= 0)
-      for (int s = 1; s < hosts; s++) disagreed.note(ts[s - 1], source(s));
-    if (++j >= per_host) return 0;
-    for (int s = 1; s < hosts; s++) {
-      const int src = source(s);
-      ts[s - 1] = c.recv_from(t.hosts[mod(h0 - s, hosts)][m], op.recv + rdisp[src], expects[src] * e,
-                              expected_header(src));
-      ts[s - 1].check = Transfer::Check::SPLITS;
+  // From every other host h, its forwarder to this rank (position m mod L_h) sends the blocks
+  // of its sources in its own order: step j brings the block of position (m mod L_h) - j.
+  StepsOf in(std::max(hosts - 1, 1), [&, j = 0, sources = std::vector<int>()](Transfer* ts) mutable {
+    for (size_t i = 0; i < sources.size(); i++) disagreed.note(ts[i], sources[i]);
+    sources.clear();
+    for (int h = 0; h < hosts; h++) {
+      if (h == h0 || j >= size_of(h)) continue;
+      const int f = m % size_of(h), src = t.hosts[h][mod(f - j, size_of(h))];
+      ts[sources.size()] = c.recv_from(t.hosts[h][f], op.recv + rdisp[src], expects[src] * e, expected_header(src));
+      ts[sources.size()].check = Transfer::Check::SPLITS;
+      sources.push_back(src);
     }
-    return hosts - 1;
+    j++;
+    return static_cast<int>(sources.size());  // 0 once j passed every other host's size
   });
   // The host lane uses the local channels, the other two the remote ones, one direction each.
   Steps* lanes[] = {&host, &out, &in};
