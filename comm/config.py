@@ -113,7 +113,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", _seconds(False)),
     Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits (native, ucx, verbs: the engine's): ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination, twolevel (across hosts: shared memory inside each), or flat (the automatic choice without twolevel). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
     Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only).", _one_of("auto", "tcp")),
-    Variable("COMM_SOCKETS_PER_PEER", "2", "TCP sockets per remote peer; large messages are striped over them.", _int_at_least(1)),
+    Variable("COMM_SOCKETS_PER_PEER", "2", "Connections per remote peer (TCP sockets; UCX endpoints on the collective stream); large messages are striped over them. Two ranks set apart use the fewer.", _int_at_least(1)),
     Variable("COMM_CHUNK_BYTES", "524288", "Pipelining chunk of the engine's ring and tree algorithms (native, ucx, verbs), in bytes.", _int_at_least(1)),
     Variable("COMM_SECRET", "", "Shared job secret: every connection proves it with an HMAC challenge. Empty: unauthenticated (a warning says so).", _opt_str),
     Variable("COMM_BIND_ADDR", "", "IPv4 or IPv6 address to bind listening sockets to (default: the one that reaches MASTER_ADDR; loopback when it is loopback).", lambda s: _ip(s) if s else None),

@@ -148,8 +148,8 @@ class Cluster:
         else:
             for r in range(n):
                 env_r = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-                # rank r runs in network namespace netns[r], or under the command wrap[r]
-                prefix = ["ip", "netns", "exec", netns[r]] if netns else wrap[r] if wrap else []
+                # rank r runs in network namespace netns[r], under the command wrap[r]
+                prefix = (["ip", "netns", "exec", netns[r]] if netns else []) + (wrap[r] if wrap else [])
                 self.procs.append(subprocess.Popen(prefix + worker, env=env_r, start_new_session=True))
         self.conns: list[socket.socket | None] = [None] * n
         self._listener.settimeout(timeout)

@@ -203,6 +203,46 @@ def test_placement_over_ucx(hosts, name):
     run_suite(hosts, PLACEMENTS[name], "ucx")
 
 
+def striped(world):
+    """Payloads on both sides of the stripe threshold (256 KiB), collective and send / recv."""
+    r, n = world.rank, world.size
+    problems = []
+    for count in (1000, 70_000, 3 << 20):
+        def part(q):
+            return (np.arange(count, dtype=np.int64) * (q + 1) % 997).astype(np.float32)
+        x = part(r)
+        world.all_reduce(x)
+        if not np.array_equal(x, sum(part(q) for q in range(n))):
+            problems.append(f"rank {r}: all_reduce of {count} elements wrong")
+    y = np.full(n * (1 << 18), float(r), np.float32)
+    out = np.empty_like(y)
+    world.all_to_all(out, y)
+    if not np.array_equal(out, np.repeat(np.arange(n, dtype=np.float32), 1 << 18)):
+        problems.append(f"rank {r}: all_to_all wrong")
+    big = np.full(1 << 19, float(r + 1), np.float32)
+    if r == 0:
+        world.send(big, 1)
+    elif r == 1:
+        world.recv(big, 0)
+        if not np.all(big == 1.0):
+            problems.append(f"rank {r}: recv wrong")
+    return problems
+
+
+@pytest.mark.parametrize("transport", ["native", pytest.param("ucx", marks=pytest.mark.skipif(
+    base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}"))])
+def test_connections_per_peer_differ(hosts, transport):
+    """COMM_SOCKETS_PER_PEER set apart on two hosts: the ends agree on the fewer, and striped
+    payloads arrive whole."""
+    c = Cluster(2, transport, netns=[hosts.ns[0], hosts.ns[1]], timeout=120,
+                wrap=[["env", "COMM_SOCKETS_PER_PEER=2"], ["env", "COMM_SOCKETS_PER_PEER=3"]],
+                env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "30"})
+    try:
+        assert_no_problems(c.run(striped, timeout=120))
+    finally:
+        c.close()
+
+
 def run_suite(hosts, placement, transport):
     c = start(hosts, placement, transport)
     try:

@@ -177,7 +177,7 @@ class NativeTransport(Transport):
             listener.listen(max(128, 4 * ctx.size))
             token = secrets.token_bytes(16)
             me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1],
-                  "token": token.hex()}
+                  "token": token.hex(), "sockets": max(1, int(config.get("COMM_SOCKETS_PER_PEER")))}
             infos = [json.loads(v) for v in store.all_gather("native/info", json.dumps(me).encode())]
             tcp_only = self.net is not None or config.get("COMM_CHANNELS") == "tcp"
             local = [] if tcp_only else [r for r, i in enumerate(infos) if i["host"] == ctx.host_id]
@@ -227,10 +227,10 @@ class NativeTransport(Transport):
 
     def _connect_mesh(self, ctx, listener, infos, token, local) -> dict[int, dict[int, socket.socket]]:
         """Sockets to every peer, keyed by peer and role. Lower ranks accept from higher ones."""
-        n_coll = max(1, int(config.get("COMM_SOCKETS_PER_PEER")))
-
         def roles(peer: int) -> list[int]:
             data_elsewhere = self.net is not None or (ctx.rank in local and peer in local)
+            # COMM_SOCKETS_PER_PEER may differ between ranks: a pair uses the fewer of its two
+            n_coll = min(infos[ctx.rank]["sockets"], infos[peer]["sockets"])
             return [_MONITOR] if data_elsewhere else [_MONITOR, _P2P] + [_FIRST_COLL + i for i in range(n_coll)]
 
         deadline = time.monotonic() + ctx.timeout

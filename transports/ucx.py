@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+from comm import config
+
 from .base import register
 from .native import NativeTransport, _native
 
@@ -43,7 +45,9 @@ class UCXTransport(NativeTransport):
 
     @classmethod
     def net_options(cls) -> dict[str, str]:
-        return {"library": _LIBUCP}
+        # endpoints: per remote peer, each its own connection; large payloads are striped
+        # over them as over the TCP channel's sockets
+        return {"library": _LIBUCP, "endpoints": str(max(1, int(config.get("COMM_SOCKETS_PER_PEER"))))}
 
     @classmethod
     def available(cls) -> str | None:

@@ -29,6 +29,9 @@ struct WireHeader {
 static_assert(sizeof(WireHeader) == 40, "wire header layout");
 
 constexpr int kMaxStripes = 16;
+// Payloads from this size on are striped over a remote peer's connections (TCP sockets, UCX
+// endpoints); smaller ones go whole on the first.
+constexpr size_t kStripeMinBytes = 256 << 10;
 
 // Each peer has two independent streams: collective traffic, and send / recv (whose tags
 // match out of order, so it must never wait behind a collective's bytes).

@@ -9,8 +9,6 @@
 
 namespace comm {
 
-constexpr size_t kStripeMinBytes = 256 << 10;
-
 class TcpChannel final : public Channel {
  public:
   TcpChannel(int peer, std::vector<int> fds);  // takes ownership of fds

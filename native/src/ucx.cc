@@ -10,7 +10,11 @@
 // (sender rank << 32 | part): part 0 is the 40-byte WireHeader, with the payload behind it
 // in the same message up to kInlineBytes; a larger payload follows as a message of part 1,
 // received straight into place once its header has been checked. So no payload byte lands
-// in a user buffer before its header was accepted, as on every channel.
+// in a user buffer before its header was accepted, as on every channel. Across hosts a
+// collective channel has several endpoints to its peer (COMM_SOCKETS_PER_PEER, as TCP's
+// sockets: each its own connection over TCP), and a payload from kStripeMinBytes is cut
+// into stripes, stripe i a message of part kPayloadPart (i = 0) or kStripePart + i - 1 on
+// endpoint i: one connection's flow leaves the link half used, as the TCP channel measured.
 //
 // On one host a large payload is instead read by the receiver straight out of the sender's
 // buffer (process_vm_readv, one copy, as Open MPI does) and acknowledged with a part-2
@@ -21,6 +25,7 @@
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
@@ -37,7 +42,7 @@ constexpr size_t kHeader = sizeof(WireHeader);
 // Payloads up to this size travel in their header's message (one message per transfer;
 // copied once more on arrival, which costs less than a second message below it).
 constexpr size_t kInlineBytes = 8 << 10;
-constexpr uint64_t kHeaderPart = 0, kPayloadPart = 1, kAckPart = 2;
+constexpr uint64_t kHeaderPart = 0, kPayloadPart = 1, kAckPart = 2, kStripePart = 3;
 // Same-host payloads from this size on are read by the receiver (one copy instead of two);
 // the read goes in slices so that other transfers of the operation move in between.
 constexpr size_t kReadMinBytes = 64 << 10, kReadSliceBytes = 1 << 20;
@@ -125,7 +130,7 @@ struct Worker {
 
 class UcxChannel final : public Channel {
  public:
-  UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host);
+  UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host, int stripes);
   ~UcxChannel() override;
   // True when UCX itself moved anything, not only when `t` advanced: a message can take many
   // progress calls to drain from UCX's shared-memory queue (a bounded number of fragments per
@@ -148,10 +153,16 @@ class UcxChannel final : public Channel {
 
  private:
   enum class Recv { IDLE, HEADER, PAYLOAD, READ };
-  void* post_send(const void* buf, size_t len, uint64_t part);
+  void* post_send(const void* buf, size_t len, uint64_t part, size_t ep = 0);
   void* post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_info_t* info);
-  // Whether request `r` is finished (then freed and set null); throws its failure.
-  bool finished(void*& r, size_t* length);
+  // Whether request `r` is finished (then freed and set null); throws its failure. A
+  // receive's length is then in `info` (the one it was posted with).
+  bool finished(void*& r, ucp_tag_recv_info_t* info = nullptr);
+  // A payload of `len` bytes as stripes (see the top): sent from, or received into, `buf`.
+  int stripes(size_t len) const { return len >= kStripeMinBytes ? static_cast<int>(eps_.size()) : 1; }
+  void send_payload(const char* buf, size_t len);
+  void recv_payload(char* buf, size_t len);
+  bool payload_arrived(size_t len);
   bool progress_send(Transfer& t);
   bool progress_recv(Transfer& t);
   void header_arrived(Transfer& t, size_t length);
@@ -169,14 +180,14 @@ class UcxChannel final : public Channel {
   Worker& w_;
   const uint64_t my_tag_, peer_tag_;
   const bool peer_errors_;  // UCX reports this peer's failure (off on one host: see connect)
-  ucp_ep_h ep_ = nullptr;
+  std::vector<ucp_ep_h> eps_;  // to the peer's worker; more than one across hosts (COLL)
   ucs_status_t ep_status_ = UCS_OK;
   bool broken_ = false;     // a transfer was abandoned: no clean close
   bool peer_left_ = false;  // the peer closed first: nothing to flush towards it
   bool forgotten_ = false;  // a forked child's copy: touch nothing
   // In flight: at most one send (header + payload) and one receive (Channel's contract).
   const Transfer* send_of_ = nullptr;
-  void* send_req_[2] = {nullptr, nullptr};
+  std::vector<void*> send_req_;  // the header's message, then the payload's stripes
   std::vector<char> send_bounce_;
   // Same-host reads (see the top): `reads_` until the peer refused one. A send offered for
   // reading waits for the answer in `answer_in_`; a receive answers from `answer_out_`.
@@ -195,8 +206,10 @@ class UcxChannel final : public Channel {
   uint64_t offered_len_ = 0;
   const Transfer* recv_of_ = nullptr;
   Recv recv_ = Recv::IDLE;
-  void* recv_req_ = nullptr;
-  ucp_tag_recv_info_t recv_info_{};  // the latest receive's length
+  void* recv_req_ = nullptr;           // the header's message
+  ucp_tag_recv_info_t recv_info_{};
+  std::vector<void*> payload_req_;    // the payload's stripes
+  std::vector<ucp_tag_recv_info_t> payload_info_;
   std::vector<char> recv_bounce_;
   // A header-only receive (P2P reads the header, then posts the body separately) leaves the
   // message's payload behind: inline in `stash_`, as the part-1 message still to come, or
@@ -207,11 +220,11 @@ class UcxChannel final : public Channel {
 };
 
 UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote,
-                       bool same_host)
+                       bool same_host, int stripes)
     : Channel(peer), u_(u), w_(w), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
-      peer_errors_(!same_host), send_bounce_(kHeader + kInlineBytes), reads_(same_host),
-      cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
-      recv_bounce_(kHeader + kInlineBytes) {
+      peer_errors_(!same_host), send_req_(1 + stripes, nullptr), send_bounce_(kHeader + kInlineBytes),
+      reads_(same_host), cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
+      payload_req_(stripes, nullptr), payload_info_(stripes), recv_bounce_(kHeader + kInlineBytes) {
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
   p.address = reinterpret_cast<const ucp_address_t*>(remote.data());
@@ -223,37 +236,45 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
     p.err_handler.cb = &UcxChannel::on_error;
     p.err_handler.arg = this;
   }
-  const ucs_status_t st = u_.ucp_ep_create(w_.h, &p, &ep_);
-  if (st != UCS_OK) fail_status(u_, st, peer, "connect");
+  for (int i = 0; i < stripes; i++) {
+    ucp_ep_h ep = nullptr;
+    const ucs_status_t st = u_.ucp_ep_create(w_.h, &p, &ep);
+    if (st != UCS_OK) fail_status(u_, st, peer, "connect");  // the destructor closes those made
+    eps_.push_back(ep);
+  }
 }
 
 UcxChannel::~UcxChannel() {
   if (forgotten_) return;
-  for (void** r : {&send_req_[0], &send_req_[1], &recv_req_, &answer_req_, &answer_out_req_}) {
-    if (!*r) continue;
-    if (r == &recv_req_ || r == &answer_req_) u_.ucp_request_cancel(w_.h, *r);
-    u_.ucp_request_free(*r);  // UCX completes it internally (the worker's destruction at last)
-  }
-  if (!ep_) return;
+  // UCX completes a freed request internally (the worker's destruction at last).
+  std::vector<void*> receives{recv_req_, answer_req_}, sends{answer_out_req_};
+  receives.insert(receives.end(), payload_req_.begin(), payload_req_.end());
+  sends.insert(sends.end(), send_req_.begin(), send_req_.end());
+  for (void* r : receives)
+    if (r) u_.ucp_request_cancel(w_.h, r), u_.ucp_request_free(r);
+  for (void* r : sends)
+    if (r) u_.ucp_request_free(r);
   // A clean close flushes what is in flight. After a failure, or once the peer has closed,
   // force it: the peer's operations already failed or ended, and a flush into its closed
   // connection would only fail (UCX logs each such failure as an error).
   const bool gone = broken_ || peer_left_;
   if (gone && !peer_errors_) return;  // forcing needs error handling: the worker's end closes it
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = gone ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-  void* r = u_.ucp_ep_close_nbx(ep_, &p);
-  if (!UCS_PTR_IS_PTR(r)) return;
-  const auto until = Clock::now() + kCloseWait;
-  while (u_.ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
-    u_.ucp_worker_progress(w_.h);
-  u_.ucp_request_free(r);
+  for (ucp_ep_h ep : eps_) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = gone ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    void* r = u_.ucp_ep_close_nbx(ep, &p);
+    if (!UCS_PTR_IS_PTR(r)) continue;
+    const auto until = Clock::now() + kCloseWait;
+    while (u_.ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
+      u_.ucp_worker_progress(w_.h);
+    u_.ucp_request_free(r);
+  }
 }
 
-void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part) {
+void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part, size_t ep) {
   ucp_request_param_t p{};
-  void* r = u_.ucp_tag_send_nbx(ep_, buf, len, my_tag_ | part, &p);
+  void* r = u_.ucp_tag_send_nbx(eps_[ep], buf, len, my_tag_ | part, &p);
   if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer_, "send");
   return r;  // null: completed at once
 }
@@ -265,25 +286,49 @@ void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_i
   *info = {};
   void* r = u_.ucp_tag_recv_nbx(w_.h, buf, len, peer_tag_ | part, ~uint64_t{0}, &p);
   if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer_, "receive");
-  return r;  // null: completed at once, recv_info_ says how long it was
+  return r;  // null: completed at once, and `info` says how long it was
 }
 
-bool UcxChannel::finished(void*& r, size_t* length) {
-  if (!r) {
-    if (length) *length = recv_info_.length;
-    return true;
-  }
-  ucs_status_t st;
-  if (length) {
-    st = u_.ucp_tag_recv_request_test(r, &recv_info_);
-    *length = recv_info_.length;
-  } else {
-    st = u_.ucp_request_check_status(r);
-  }
+bool UcxChannel::finished(void*& r, ucp_tag_recv_info_t* info) {
+  if (!r) return true;
+  const ucs_status_t st = info ? u_.ucp_tag_recv_request_test(r, info) : u_.ucp_request_check_status(r);
   if (st == UCS_INPROGRESS) return false;
   u_.ucp_request_free(r);
   r = nullptr;
-  if (st != UCS_OK) fail_status(u_, st, peer_, length ? "receive" : "send");
+  if (st != UCS_OK) fail_status(u_, st, peer_, info ? "receive" : "send");
+  return true;
+}
+
+// Stripe i of a payload of `len` bytes is [i*len/k, (i+1)*len/k), as on TCP.
+static size_t stripe_begin(size_t len, int i, int k) {
+  return static_cast<size_t>((static_cast<unsigned __int128>(len) * i) / k);
+}
+static uint64_t stripe_part(int i) { return i == 0 ? kPayloadPart : kStripePart + i - 1; }
+
+void UcxChannel::send_payload(const char* buf, size_t len) {
+  const int k = stripes(len);
+  for (int i = 0; i < k; i++) {
+    const size_t begin = stripe_begin(len, i, k);
+    send_req_[1 + i] = post_send(buf + begin, stripe_begin(len, i + 1, k) - begin, stripe_part(i), i);
+  }
+}
+
+void UcxChannel::recv_payload(char* buf, size_t len) {
+  const int k = stripes(len);
+  for (int i = 0; i < k; i++) {
+    const size_t begin = stripe_begin(len, i, k);
+    payload_req_[i] = post_recv(buf + begin, stripe_begin(len, i + 1, k) - begin, stripe_part(i), &payload_info_[i]);
+  }
+  recv_ = Recv::PAYLOAD;
+}
+
+// Whether every stripe of a payload of `len` bytes is in; each must be as long as its sender's.
+bool UcxChannel::payload_arrived(size_t len) {
+  const int k = stripes(len);
+  for (int i = 0; i < k; i++)
+    if (!finished(payload_req_[i], &payload_info_[i])) return false;
+  for (int i = 0; i < k; i++)
+    if (payload_info_[i].length != stripe_begin(len, i + 1, k) - stripe_begin(len, i, k)) corrupt();
   return true;
 }
 
@@ -304,19 +349,20 @@ bool UcxChannel::progress_send(Transfer& t) {
       answer_req_ = post_recv(&answer_in_, 1, kAckPart, &answer_info_);
       send_req_[0] = post_send(send_bounce_.data(), kHeader + sizeof offer, kHeaderPart);
       send_offered_ = true;
-    } else {  // both at once: UCX keeps their order on the wire
+    } else {  // all at once: UCX keeps each endpoint's order on the wire
       send_req_[0] = post_send(&t.hdr, kHeader, kHeaderPart);
-      send_req_[1] = post_send(t.buf, t.len, kPayloadPart);
+      send_payload(t.buf, t.len);
     }
     moved = true;
   }
-  if (!finished(send_req_[0], nullptr) || !finished(send_req_[1], nullptr)) return moved;
+  for (void*& r : send_req_)
+    if (!finished(r)) return moved;
   if (send_offered_) {
-    if (!finished(answer_req_, nullptr)) return moved;
+    if (!finished(answer_req_)) return moved;
     send_offered_ = false;
     if (answer_in_ == kReadRefused) {  // the payload goes through UCX after all
       reads_ = false;
-      send_req_[1] = post_send(t.buf, t.len, kPayloadPart);
+      send_payload(t.buf, t.len);
       return true;
     }
     if (answer_in_ != kReadOk) corrupt();
@@ -343,8 +389,7 @@ bool UcxChannel::progress_recv(Transfer& t) {
       recv_of_ = nullptr;
       return true;
     } else if (payload_follows_) {
-      recv_req_ = post_recv(t.buf, t.len, kPayloadPart, &recv_info_);
-      recv_ = Recv::PAYLOAD;
+      recv_payload(t.buf, t.len);
     } else if (offer_follows_) {
       if (offered_len_ != t.len) corrupt();
       offer_follows_ = false;
@@ -354,13 +399,12 @@ bool UcxChannel::progress_recv(Transfer& t) {
     }
   }
   if (recv_ == Recv::READ) return read_offered(t) || moved;
-  size_t length = 0;
-  if (!finished(recv_req_, &length)) return moved;
   if (recv_ == Recv::HEADER) {
-    header_arrived(t, length);
+    if (!finished(recv_req_, &recv_info_)) return moved;
+    header_arrived(t, recv_info_.length);
     if (recv_ == Recv::READ) return read_offered(t) || true;
   } else {
-    if (length != t.len) corrupt();
+    if (!payload_arrived(t.len)) return moved;
     t.done = t.len;
     payload_follows_ = false;
     drain_ = {};
@@ -404,8 +448,7 @@ void UcxChannel::header_arrived(Transfer& t, size_t length) {
     // lengths are what the peer's own splits say).
     if (t.drain && t.len > kMaxDrainBytes) fail_splits(t.got, t.hdr, peer_);  // fail now, not allocate
     if (t.drain) drain_.resize(t.len);
-    recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart, &recv_info_);
-    recv_ = Recv::PAYLOAD;
+    recv_payload(t.drain ? drain_.data() : t.buf, t.len);
   }
 }
 
@@ -452,23 +495,25 @@ void UcxChannel::offer_refused(Transfer& t) {
   answer_offer(kReadRefused);
   reads_ = false;
   if (t.drain) drain_.resize(t.len);
-  recv_req_ = post_recv(t.drain ? drain_.data() : t.buf, t.len, kPayloadPart, &recv_info_);
-  recv_ = Recv::PAYLOAD;
+  recv_payload(t.drain ? drain_.data() : t.buf, t.len);
 }
 
 void UcxChannel::abandon(Transfer& t) {
   broken_ = true;
-  if (&t == recv_of_ && recv_req_) {
+  if (&t == recv_of_) {
     // A cancelled receive completes in progress; until it has, UCX may still write t.buf.
-    u_.ucp_request_cancel(w_.h, recv_req_);
+    // Reads have nothing in flight: they are synchronous.
+    std::vector<void**> reqs{&recv_req_};
+    for (void*& r : payload_req_) reqs.push_back(&r);
+    for (void** r : reqs)
+      if (*r) u_.ucp_request_cancel(w_.h, *r);
     const auto until = Clock::now() + kCloseWait;
-    while (u_.ucp_request_check_status(recv_req_) == UCS_INPROGRESS && Clock::now() < until)
-      u_.ucp_worker_progress(w_.h);
-    u_.ucp_request_free(recv_req_);
-    recv_req_ = nullptr;
-    recv_of_ = nullptr;
-  }
-  if (&t == recv_of_ && recv_ == Recv::READ) {  // nothing in flight: reads are synchronous
+    for (void** r : reqs) {
+      if (!*r) continue;
+      while (u_.ucp_request_check_status(*r) == UCS_INPROGRESS && Clock::now() < until) u_.ucp_worker_progress(w_.h);
+      u_.ucp_request_free(*r);
+      *r = nullptr;
+    }
     recv_of_ = nullptr;
     recv_ = Recv::IDLE;
   }
@@ -487,7 +532,7 @@ void UcxChannel::abandon(Transfer& t) {
 
 class UcxNet final : public Net {
  public:
-  UcxNet(const Ucp& u, int rank);
+  UcxNet(const Ucp& u, int rank, int endpoints);
   ~UcxNet() override;
   NetCaps caps() const override { return NetCaps{}; }  // host memory: the engine reduces on the CPU
   std::string address() const override;
@@ -501,6 +546,7 @@ class UcxNet final : public Net {
  private:
   const Ucp& u_;
   const int rank_;
+  const int endpoints_;  // per remote peer on the collective stream
   ucp_context_h ctx_ = nullptr;
   Worker workers_[2];
   void release();
@@ -508,7 +554,7 @@ class UcxNet final : public Net {
   bool forgotten_ = false;
 };
 
-UcxNet::UcxNet(const Ucp& u, int rank) : u_(u), rank_(rank) {
+UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endpoints_(endpoints) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = u_.ucp_config_read(nullptr, nullptr, &config);  // UCX_* variables apply
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_read: ") + u_.ucs_status_string(st));
@@ -562,19 +608,24 @@ void UcxNet::release() {
   if (ctx_) u_.ucp_cleanup(ctx_), ctx_ = nullptr;
 }
 
-// [u32 length of the collective worker's address][that address][the p2p worker's address]
+// [u32 endpoints per remote peer][u32 length of the collective worker's address][that
+// address][the p2p worker's address]
 std::string UcxNet::address() const {
-  const uint32_t n = static_cast<uint32_t>(workers_[0].address.size());
-  return std::string(reinterpret_cast<const char*>(&n), sizeof n) + workers_[0].address + workers_[1].address;
+  const uint32_t head[2] = {static_cast<uint32_t>(endpoints_), static_cast<uint32_t>(workers_[0].address.size())};
+  return std::string(reinterpret_cast<const char*>(head), sizeof head) + workers_[0].address + workers_[1].address;
 }
 
 std::unique_ptr<Channel> UcxNet::connect(int peer, Stream stream, const std::string& remote, bool same_host) {
-  uint32_t n = 0;
-  if (remote.size() < sizeof n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
-  std::memcpy(&n, remote.data(), sizeof n);
-  if (remote.size() < sizeof n + n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
-  const std::string addr = stream == Stream::COLL ? remote.substr(sizeof n, n) : remote.substr(sizeof n + n);
-  auto ch = std::make_unique<UcxChannel>(u_, workers_[static_cast<int>(stream)], peer, rank_, addr, same_host);
+  uint32_t head[2] = {};
+  if (remote.size() < sizeof head) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  std::memcpy(head, remote.data(), sizeof head);
+  const uint32_t n = head[1];
+  if (remote.size() < sizeof head + n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  const std::string addr = stream == Stream::COLL ? remote.substr(sizeof head, n) : remote.substr(sizeof head + n);
+  // Both ends stripe alike: the fewer endpoints of the two (they may have been set apart).
+  const int fewer = std::clamp<int>(std::min<uint32_t>(head[0], endpoints_), 1, kMaxStripes);
+  const int stripes = same_host || stream == Stream::P2P ? 1 : fewer;
+  auto ch = std::make_unique<UcxChannel>(u_, workers_[static_cast<int>(stream)], peer, rank_, addr, same_host, stripes);
   channels_.push_back(ch.get());
   return ch;
 }
@@ -596,7 +647,9 @@ std::string UcxNet::describe() const {
 std::string ucx_unavailable(const NetOptions& opts) { return load_ucp(opts).error; }
 
 std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
-  return std::make_unique<UcxNet>(load_ucp(opts), rank);
+  const auto it = opts.find("endpoints");
+  const int endpoints = it == opts.end() ? 1 : std::clamp(std::atoi(it->second.c_str()), 1, kMaxStripes);
+  return std::make_unique<UcxNet>(load_ucp(opts), rank, endpoints);
 }
 
 }  // namespace comm
