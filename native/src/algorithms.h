@@ -36,6 +36,10 @@ inline size_t ring_chunk_bytes(const Comm& c, size_t elem) { return chunk_elems(
 std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const Blocks& b,
                                                    char* tmp);
 std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf, const Blocks& b);
+std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op, const CountedBlocks& b,
+                                                   char* tmp);
+std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
+                                                const CountedBlocks& b);
 // A reduce-scatter as Steps: the blocks of `work` are summed in place, and block g.me's sum
 // lands in op.recv at the last step.
 std::unique_ptr<Steps> ring_reduce_scatter_steps(Comm& c, const Group& g, const Coll& op, char* work,

@@ -131,6 +131,16 @@ std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, cons
   return to_blocks_steps(c, g, op, b, tmp);
 }
 
+std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, const Coll& op,
+                                                   const CountedBlocks& b, char* tmp) {
+  return to_blocks_steps(c, g, op, b, tmp);
+}
+
+std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
+                                                const CountedBlocks& b) {
+  return std::make_unique<RingGather<CountedBlocks>>(c, g, op, buf, b);
+}
+
 std::unique_ptr<Steps> ring_reduce_scatter_steps(Comm& c, const Group& g, const Coll& op, char* work,
                                                  const Blocks& b, char* tmp) {
   const int last = g.size() - 2;

@@ -93,6 +93,7 @@ class TwoLevelPipeline {
  protected:
   virtual std::unique_ptr<Steps> start(Phase phase, int seg) = 0;
   virtual void finished(Phase, int) {}
+  virtual int width() const { return 2; }  // the most transfers a phase's step posts
 
   Comm& c_;
   const Coll& op_;
@@ -120,6 +121,7 @@ class TwoLevelPipeline {
    public:
     explicit Lane(TwoLevelPipeline& p) : p_(p) {}
     std::vector<Item> items;
+    int width() const override { return std::max(2, p_.width()); }
     int next(Transfer* ts) override {
       for (;;) {
         if (cur_) {
@@ -294,83 +296,119 @@ void twolevel_all_reduce(Comm& c, const Coll& op) {
 
 namespace {
 
-// What both uneven forms start from: this host's Owners, and scratch for every rank's block
-// grouped by owner (each owner's own block first in its group).
-struct Grouped {
-  const Owners own;
-  const CountedBlocks layout;
-  const size_t block;  // bytes of one rank's block
-  char* const packed;
-  char* const mine;    // this rank's group
-  Grouped(Comm& c, const Coll& op)
-      : own(c.topo, c.topo.host, c.size), layout(own.layout(op.count)), block(op.count * op.elem),
-        packed(c.scratch(kPackScratch, c.size * block)), mine(packed + layout.offset(c.topo.local.me) * op.elem) {}
-  // copy(rank, its block's place in `packed`) for every rank, in the grouped order.
-  template <class Copy>
-  void for_each(Copy copy) const {
-    size_t at = 0;
-    for (const auto& owned : own.blocks)
-      for (int r : owned) copy(r, packed + block * at++);
+// One step of transfers given up front (the exchanges of the uneven forms below).
+class Exchange final : public Steps {
+ public:
+  explicit Exchange(std::vector<Transfer> ts) : ts_(std::move(ts)) {}
+  int width() const override { return static_cast<int>(ts_.size()); }
+  int next(Transfer* ts) override {
+    if (posted_) return 0;
+    posted_ = true;
+    std::copy(ts_.begin(), ts_.end(), ts);
+    return static_cast<int>(ts_.size());
   }
+
+ private:
+  std::vector<Transfer> ts_;
+  bool posted_ = false;
 };
 
-// Uneven placements: inside the host, a ring reduce-scatter leaves each rank the host's sum of
-// the blocks it owns (Owners); each sends those partial sums to their ranks across the hosts
-// and sums the partials of its own block that arrive from every other host. Each host sends
-// every remote rank's block once: (n - L) blocks out of a host of L ranks.
-void uneven_reduce_scatter(Comm& c, const Coll& op) {
-  const Topology& t = c.topo;
-  const int n = c.size, hosts = static_cast<int>(t.hosts.size());
-  const Grouped g(c, op);
-  const size_t block = g.block;
-  g.for_each([&](int r, char* at) { std::memcpy(at, op.send + block * r, block); });
-  Coll inside = op;
-  inside.send = inside.recv = g.packed;
-  inside.count = n * op.count;
-  ring_reduce_to_blocks(c, t.local, inside, g.layout);
-  char* partials = c.scratch(kNetScratch, (hosts - 1) * block);
-  const WireHeader h = op.header(0);
-  std::vector<Transfer> ts;
-  const auto& owned = g.own.blocks[t.local.me];
-  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.send_to(owned[k], g.mine + k * block, block, h));
-  for (int other = 0, i = 0; other < hosts; other++)
-    if (other != t.host) ts.push_back(c.recv_from(Owners::on(t, other, c.rank, n), partials + block * i++, block, h));
-  c.run(ts.data(), ts.size());
-  op.reduce(op.recv, g.mine, partials, op.count);  // its own block is first in its group
-  for (int i = 1; i < hosts - 1; i++) op.reduce(op.recv, op.recv, partials + block * i, op.count);
-}
+// reduce_scatter and all_gather on uneven placements (every host of two or more ranks), in
+// the same segments: segment k of every rank's block is packed grouped by owner (Owners,
+// each owner's own block first in its group). reduce_scatter: RSk, a ring reduce-scatter
+// inside the host, leaves each owner the host's sum of segment k of its blocks; Xk sends
+// those partial sums to their ranks across the hosts and receives the partials of its own
+// block's segment k from every other host, which it adds up. all_gather: Xk sends this
+// rank's segment k to its owner on every other host and receives those of the blocks it
+// owns; AGk all-gathers the groups inside the host, and each block goes to its rank's place.
+// Each host sends every remote rank's block once: (n - L) blocks out of a host of L ranks.
+class OwnedShards final : public TwoLevelPipeline {
+ public:
+  OwnedShards(Comm& c, const Coll& op, bool reduce)
+      : TwoLevelPipeline(c, op, op.count, c.size * op.count * op.elem, reduce, !reduce), reduce_(reduce),
+        own_(c.topo, c.topo.host, c.size), packed_(c.scratch(kPackScratch, c.size * op.count * op.elem)),
+        partials_(reduce ? c.scratch(kNetScratch, (c.topo.hosts.size() - 1) * op.count * op.elem) : nullptr),
+        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))) {}
 
-// The reverse: each rank sends its block to its owner on every other host, the host's ranks
-// all-gather what they own, and every block goes to its rank's place.
-void uneven_all_gather(Comm& c, const Coll& op) {
-  const Topology& t = c.topo;
-  const int n = c.size, hosts = static_cast<int>(t.hosts.size());
-  const Grouped g(c, op);
-  const size_t block = g.block;
-  std::memcpy(g.mine, op.send, block);
-  const WireHeader h = op.header(0);
-  std::vector<Transfer> ts;
-  for (int other = 0; other < hosts; other++)
-    if (other != t.host) ts.push_back(c.send_to(Owners::on(t, other, c.rank, n), op.send, block, h));
-  const auto& owned = g.own.blocks[t.local.me];
-  for (size_t k = 1; k < owned.size(); k++) ts.push_back(c.recv_from(owned[k], g.mine + k * block, block, h));
-  c.run(ts.data(), ts.size());
-  Coll inside = op;
-  inside.count = n * op.count;
-  ring_gather_blocks(c, t.local, inside, g.packed, g.layout);
-  g.for_each([&](int r, const char* at) { std::memcpy(op.recv + block * r, at, block); });
-}
+ private:
+  int width() const override {
+    return static_cast<int>(c_.topo.hosts.size() - 1 + own_.blocks[c_.topo.local.me].size() - 1);
+  }
+  char* seg_at(int k) const { return packed_ + c_.size * segs_.offset(k) * op_.elem; }
+  char* mine(int k) const { return seg_at(k) + own_.layout(segs_.size(k)).offset(c_.topo.local.me) * op_.elem; }
+  // copy(rank, its block's place in segment k's packing) for every rank, in the grouped order.
+  template <class Copy>
+  void each_block(int k, Copy copy) const {
+    char* at = seg_at(k);
+    for (const auto& owned : own_.blocks)
+      for (int r : owned) copy(r, at), at += segs_.size(k) * op_.elem;
+  }
+  // The other hosts' owner of this rank's block, and where its partial of segment k goes.
+  std::vector<int> owners_elsewhere() const {
+    std::vector<int> to;
+    for (int h = 0; h < static_cast<int>(t_.hosts.size()); h++)
+      if (h != t_.host) to.push_back(Owners::on(t_, h, c_.rank, c_.size));
+    return to;
+  }
+
+  std::unique_ptr<Steps> start(Phase phase, int k) override {
+    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e, bytes = sk * e;
+    const CountedBlocks layout = own_.layout(sk);
+    Coll seg = op_;  // count stays the op's: it is the signature in the headers
+    seg.send = seg.recv = seg_at(k);
+    if (phase == RS) {
+      each_block(k, [&](int r, char* at) { std::memcpy(at, op_.send + r * op_.count * e + off, bytes); });
+      return ring_reduce_to_blocks_steps(c_, t_.local, seg, layout, host_tmp_);
+    }
+    if (phase == AG) return ring_gather_blocks_steps(c_, t_.local, seg, seg_at(k), layout);
+    const WireHeader h = op_.header(0);
+    const auto& owned = own_.blocks[t_.local.me];
+    std::vector<Transfer> ts;
+    if (reduce_) {
+      for (size_t j = 1; j < owned.size(); j++) ts.push_back(c_.send_to(owned[j], mine(k) + j * bytes, bytes, h));
+      const std::vector<int> from = owners_elsewhere();
+      for (size_t i = 0; i < from.size(); i++) ts.push_back(c_.recv_from(from[i], partial(k, i), bytes, h));
+    } else {
+      std::memcpy(mine(k), op_.send + off, bytes);
+      for (int to : owners_elsewhere()) ts.push_back(c_.send_to(to, op_.send + off, bytes, h));
+      for (size_t j = 1; j < owned.size(); j++) ts.push_back(c_.recv_from(owned[j], mine(k) + j * bytes, bytes, h));
+    }
+    return std::make_unique<Exchange>(std::move(ts));
+  }
+
+  void finished(Phase phase, int k) override {
+    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e;
+    if (phase == X && reduce_) {  // this rank's block: its host's sum (first in its group), then the others'
+      char* out = op_.recv + off;
+      op_.reduce(out, mine(k), partial(k, 0), sk);
+      for (size_t i = 1; i + 1 < t_.hosts.size(); i++) op_.reduce(out, out, partial(k, i), sk);
+    }
+    if (phase == AG)
+      each_block(k, [&](int r, const char* at) { std::memcpy(op_.recv + r * op_.count * e + off, at, sk * e); });
+  }
+
+  // Where the partial of segment k from the i-th other host lands.
+  char* partial(int k, size_t i) const {
+    return partials_ + ((t_.hosts.size() - 1) * segs_.offset(k) + i * segs_.size(k)) * op_.elem;
+  }
+
+  const bool reduce_;  // reduce_scatter, else all_gather
+  const Owners own_;
+  char* const packed_;
+  char* const partials_;
+  char* const host_tmp_;
+};
 
 }  // namespace
 
 void twolevel_reduce_scatter(Comm& c, const Coll& op) {
   if (c.topo.uniform()) PackedShards(c, op, true).run();
-  else uneven_reduce_scatter(c, op);
+  else OwnedShards(c, op, true).run();
 }
 
 void twolevel_all_gather(Comm& c, const Coll& op) {
   if (c.topo.uniform()) PackedShards(c, op, false).run();
-  else uneven_all_gather(c, op);
+  else OwnedShards(c, op, false).run();
 }
 
 // Across the hosts' leaders (the root leads its own host), then inside each host.
