@@ -40,10 +40,6 @@ std::unique_ptr<Steps> ring_reduce_to_blocks_steps(Comm& c, const Group& g, cons
                                                    char* tmp);
 std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
                                                 const CountedBlocks& b);
-// A reduce-scatter as Steps: the blocks of `work` are summed in place, and block g.me's sum
-// lands in op.recv at the last step.
-std::unique_ptr<Steps> ring_reduce_scatter_steps(Comm& c, const Group& g, const Coll& op, char* work,
-                                                 const Blocks& b, char* tmp);
 // tree.cc: binomial tree, latency log2(n)
 void tree_broadcast(Comm& c, const Coll& op);
 void tree_reduce(Comm& c, const Coll& op);

@@ -141,15 +141,6 @@ std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const C
   return std::make_unique<RingGather<CountedBlocks>>(c, g, op, buf, b);
 }
 
-std::unique_ptr<Steps> ring_reduce_scatter_steps(Comm& c, const Group& g, const Coll& op, char* work,
-                                                 const Blocks& b, char* tmp) {
-  const int last = g.size() - 2;
-  char* recv = op.recv;
-  const size_t e = op.elem;
-  return std::make_unique<RingReduce<Blocks>>(
-      c, g, op, work, b, [=](int step, int blk) { return step == last ? recv : work + b.offset(blk) * e; }, tmp);
-}
-
 std::unique_ptr<Steps> ring_gather_blocks_steps(Comm& c, const Group& g, const Coll& op, char* buf,
                                                 const Blocks& b) {
   return std::make_unique<RingGather<Blocks>>(c, g, op, buf, b);

@@ -26,18 +26,9 @@ constexpr int kPackScratch = 4;
 constexpr int kNetScratch = 5;
 constexpr int kNetAccScratch = 6;
 
-// Input blocks reordered so that each local rank's share is contiguous: block (l, h), at
-// l*H + h, is the block of the rank at position l on host h.
-template <class Copy>
-void for_each_block(const Topology& t, Copy copy) {
-  const int hosts = static_cast<int>(t.hosts.size()), per_host = t.local.size();
-  for (int l = 0; l < per_host; l++)
-    for (int h = 0; h < hosts; h++) copy(l * hosts + h, t.hosts[h][l]);
-}
-
-// Uneven placements: which local rank of host `h` reduces (reduce_scatter) or spreads
-// (all_gather) the host's share of each rank's block. Every rank owns its own block; the
-// blocks of the other hosts' ranks are dealt out to the host's ranks in rank order.
+// Which local rank of host `h` reduces (reduce_scatter) or spreads (all_gather) the host's
+// share of each rank's block. Every rank owns its own block; the blocks of the other hosts'
+// ranks are dealt out to the host's ranks in rank order (H-1 each when every host holds L).
 struct Owners {
   std::vector<std::vector<int>> blocks;  // blocks[l]: the ranks whose block local rank l owns, its own first
   std::vector<int> owner;                // owner[rank]: the local position that owns rank's block
@@ -199,69 +190,6 @@ class ShardedAllReduce final : public TwoLevelPipeline {
   char* const net_tmp_;
 };
 
-// reduce_scatter and all_gather (uniform placements): each rank's block is cut into the
-// segments, and segment k of every block is packed in scratch so that local rank l's share
-// is contiguous: block (l, h), at l*H + h, is segment k of the block of the rank at position
-// l on host h. reduce_scatter: RSk inside the host leaves local rank l the host's sum of
-// its share, Xk reduce-scatters that share between the hosts, the last step straight into
-// op.recv. all_gather: Xk all-gathers segment k of the ranks at this local position, AGk
-// all-gathers the shares inside the host, and each block goes to its rank's place.
-class PackedShards final : public TwoLevelPipeline {
- public:
-  PackedShards(Comm& c, const Coll& op, bool reduce)
-      : TwoLevelPipeline(c, op, op.count, c.size * op.count * op.elem, reduce, !reduce),
-        reduce_(reduce), packed_(c.scratch(kPackScratch, c.size * op.count * op.elem)),
-        host_tmp_(c.scratch(0, ring_chunk_bytes(c, op.elem))),
-        net_tmp_(c.scratch(kNetScratch, ring_chunk_bytes(c, op.elem))) {}
-
- private:
-  // Segment k's packed blocks, and where block (l, h) of them starts.
-  char* seg_at(int k, size_t block = 0) const {
-    return packed_ + (c_.size * segs_.offset(k) + block * segs_.size(k)) * op_.elem;
-  }
-  // copy(block's place in the packing, rank) for every block of segment k.
-  template <class Copy>
-  void each_block(int k, Copy copy) const {
-    for_each_block(t_, [&](int b, int r) { copy(seg_at(k, b), r); });
-  }
-
-  std::unique_ptr<Steps> start(Phase phase, int k) override {
-    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e;
-    const int hosts = t_.cross.size(), l = t_.local.me;
-    Coll seg = op_;  // count stays the op's: it is the signature in the headers
-    if (phase == RS) {
-      each_block(k, [&](char* at, int r) { std::memcpy(at, op_.send + r * op_.count * e + off, sk * e); });
-      seg.send = seg.recv = seg_at(k);
-      return ring_reduce_to_blocks_steps(c_, t_.local, seg, Blocks{c_.size * sk, t_.local.size()}, host_tmp_);
-    }
-    if (phase == AG) {
-      seg.send = seg.recv = seg_at(k);
-      return ring_gather_blocks_steps(c_, t_.local, seg, seg_at(k), Blocks{c_.size * sk, t_.local.size()});
-    }
-    char* share = seg_at(k, static_cast<size_t>(l) * hosts);
-    const Blocks across{hosts * sk, hosts};
-    if (reduce_) {
-      seg.send = share;
-      seg.recv = op_.recv + off;
-      return ring_reduce_scatter_steps(c_, t_.cross, seg, share, across, net_tmp_);
-    }
-    std::memcpy(share + t_.host * sk * e, op_.send + off, sk * e);
-    seg.send = seg.recv = share;
-    return ring_gather_blocks_steps(c_, t_.cross, seg, share, across);
-  }
-
-  void finished(Phase phase, int k) override {
-    if (phase != AG) return;
-    const size_t e = op_.elem, sk = segs_.size(k), off = segs_.offset(k) * e;
-    each_block(k, [&](char* at, int r) { std::memcpy(op_.recv + r * op_.count * e + off, at, sk * e); });
-  }
-
-  const bool reduce_;  // reduce_scatter, else all_gather
-  char* const packed_;
-  char* const host_tmp_;
-  char* const net_tmp_;
-};
-
 }  // namespace
 
 bool twolevel_fits(const Comm& c, const Coll&) { return c.hierarchical(); }
@@ -313,9 +241,9 @@ class Exchange final : public Steps {
   bool posted_ = false;
 };
 
-// reduce_scatter and all_gather on uneven placements (every host of two or more ranks), in
-// the same segments: segment k of every rank's block is packed grouped by owner (Owners,
-// each owner's own block first in its group). reduce_scatter: RSk, a ring reduce-scatter
+// reduce_scatter and all_gather (every host of two or more ranks), in the same segments:
+// segment k of every rank's block is packed grouped by owner (Owners, each owner's own
+// block first in its group). reduce_scatter: RSk, a ring reduce-scatter
 // inside the host, leaves each owner the host's sum of segment k of its blocks; Xk sends
 // those partial sums to their ranks across the hosts and receives the partials of its own
 // block's segment k from every other host, which it adds up. all_gather: Xk sends this
@@ -402,13 +330,11 @@ class OwnedShards final : public TwoLevelPipeline {
 }  // namespace
 
 void twolevel_reduce_scatter(Comm& c, const Coll& op) {
-  if (c.topo.uniform()) PackedShards(c, op, true).run();
-  else OwnedShards(c, op, true).run();
+  OwnedShards(c, op, true).run();
 }
 
 void twolevel_all_gather(Comm& c, const Coll& op) {
-  if (c.topo.uniform()) PackedShards(c, op, false).run();
-  else OwnedShards(c, op, false).run();
+  OwnedShards(c, op, false).run();
 }
 
 // Across the hosts' leaders (the root leads its own host), then inside each host.
