@@ -206,12 +206,13 @@ bool Comm::progress_pass(Transfer* ts, size_t n, bool* all_done) {
 
 void Comm::wait_on(Transfer* ts, size_t n, Backoff& spins, std::vector<pollfd>& fds) {
   fds.clear();
-  bool shm_pending = false, kernel_pending = false;
+  bool shm_pending = false, kernel_pending = false, small = true;
   for (size_t i = 0; i < n; i++) {
     if (ts[i].complete()) continue;
     const auto& socks = ts[i].ch->sockets();
     if (socks.empty() || ts[i].ch->polled()) shm_pending = true;
     else kernel_pending = true;
+    small &= ts[i].len <= kSocketSpinMaxBytes;
     for (int fd : socks) fds.push_back({fd, ts[i].ch->poll_events(ts[i].is_send), 0});
   }
   if (!fds.empty()) {
@@ -224,7 +225,7 @@ void Comm::wait_on(Transfer* ts, size_t n, Backoff& spins, std::vector<pollfd>& 
       if (!ts[i].complete() && ts[i].ch->ready(ts[i])) return true;
     return false;
   };
-  idle(spins, ready, &fds, nullptr, !kernel_pending);
+  idle(spins, ready, &fds, nullptr, !kernel_pending || (!shm_pending && small));
   for (size_t i = 0; i < n; i++)
     if (!ts[i].complete() && ts[i].ch->sockets().empty())
       check_closed_peer(ts[i].ch->peer(), [&] { return !ts[i].ch->ready(ts[i]); });

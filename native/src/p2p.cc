@@ -391,7 +391,7 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
   };
   const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
   lock.unlock();
-  c_.idle(spins, ready, &fds, &none);
+  c_.idle(spins, ready, &fds, &none, shm_pending || fds.empty());  // sockets alone: poll() at once
   lock.lock();
   for (int p = 0; p < c_.size; p++) {
     const PeerState& ps = peers_[p];
