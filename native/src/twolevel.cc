@@ -224,7 +224,7 @@ void twolevel_all_reduce(Comm& c, const Coll& op) {
 
 namespace {
 
-// One step of transfers given up front (the exchanges of the uneven forms below).
+// One step of transfers given up front (OwnedShards' exchanges across hosts).
 class Exchange final : public Steps {
  public:
   explicit Exchange(std::vector<Transfer> ts) : ts_(std::move(ts)) {}
@@ -243,8 +243,8 @@ class Exchange final : public Steps {
 
 // reduce_scatter and all_gather (every host of two or more ranks), in the same segments:
 // segment k of every rank's block is packed grouped by owner (Owners, each owner's own
-// block first in its group). reduce_scatter: RSk, a ring reduce-scatter
-// inside the host, leaves each owner the host's sum of segment k of its blocks; Xk sends
+// block first in its group). reduce_scatter: RSk, a ring reduce-scatter inside the host,
+// leaves each owner the host's sum of segment k of its blocks; Xk sends
 // those partial sums to their ranks across the hosts and receives the partials of its own
 // block's segment k from every other host, which it adds up. all_gather: Xk sends this
 // rank's segment k to its owner on every other host and receives those of the blocks it
@@ -271,7 +271,7 @@ class OwnedShards final : public TwoLevelPipeline {
     for (const auto& owned : own_.blocks)
       for (int r : owned) copy(r, at), at += segs_.size(k) * op_.elem;
   }
-  // The other hosts' owner of this rank's block, and where its partial of segment k goes.
+  // The owner of this rank's block on every other host, in host order (partial i is the i-th's).
   std::vector<int> owners_elsewhere() const {
     std::vector<int> to;
     for (int h = 0; h < static_cast<int>(t_.hosts.size()); h++)
