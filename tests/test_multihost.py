@@ -358,24 +358,27 @@ def storm(world, kind, seconds):
     return None, wrong
 
 
-@pytest.mark.parametrize("fault,kind", [("kill", "all_reduce"), ("cut", "all_to_all"),
-                                        ("cut", "all_reduce"), ("kill", "all_to_all")])
-def test_host_lost(hosts, fault, kind):
-    """2 hosts x 2 ranks; host 1's ranks killed at once, or its link cut, mid-operation: every
-    survivor fails with PeerFailure or CommTimeout within the timeout and saw no wrong result."""
-    placement = [0, 0, 1, 1]
+@pytest.mark.parametrize("fault,kind,name", [("kill", "all_reduce", "2x2"), ("cut", "all_to_all", "2x2"),
+                                             ("cut", "all_reduce", "2x2"), ("kill", "all_to_all", "2x2"),
+                                             ("cut", "all_to_all", "3+2")])
+def test_host_lost(hosts, fault, kind, name):
+    """Host 1's ranks killed at once, or its link cut, mid-operation (all_to_all on 3+2: its
+    blocks go through forwarders): every survivor fails with PeerFailure or CommTimeout within
+    the timeout and saw no wrong result."""
+    placement = PLACEMENTS[name]
     c = start(hosts, placement, COMM_TIMEOUT=str(TIMEOUT))
     try:
         pids = c.run(pid)   # also imports this module on the ranks before the clock starts
         c.submit(storm, kind, 60)
         time.sleep(1.0)
         if fault == "kill":
-            for p in pids[2:]:
-                os.kill(p, 9)
-            survivors = [0, 1]
+            for r, p in enumerate(pids):
+                if placement[r] == 1:
+                    os.kill(p, 9)
+            survivors = [r for r in range(len(placement)) if placement[r] != 1]
         else:
             hosts.cut(1)
-            survivors = [0, 1, 2, 3]
+            survivors = list(range(len(placement)))
         results = c.collect(survivors, TIMEOUT + 15)
     finally:
         c.kill()
