@@ -130,7 +130,8 @@ void twolevel_all_to_all(Comm& c, const Coll& op) {
     ts[k++].check = Transfer::Check::SPLITS;
     for (size_t i = 0; i < mine.size(); i++) {
       const size_t at = staged_at(i, pf);
-      ts[k++] = c.recv_from(from, stage + stage_off[at], stage_off[at + 1] - stage_off[at], block_header(from, mine[i]));
+      ts[k++] = c.recv_from(from, stage + stage_off[at], stage_off[at + 1] - stage_off[at],
+                            block_header(from, mine[i]));
     }
     return k;
   });

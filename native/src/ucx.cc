@@ -130,7 +130,8 @@ struct Worker {
 
 class UcxChannel final : public Channel {
  public:
-  UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host, int stripes);
+  UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host,
+             int stripes);
   ~UcxChannel() override;
   // True when UCX itself moved anything, not only when `t` advanced: a message can take many
   // progress calls to drain from UCX's shared-memory queue (a bounded number of fragments per
@@ -158,6 +159,7 @@ class UcxChannel final : public Channel {
   // Whether request `r` is finished (then freed and set null); throws its failure. A
   // receive's length is then in `info` (the one it was posted with).
   bool finished(void*& r, ucp_tag_recv_info_t* info = nullptr);
+  void close_endpoint(ucp_ep_h ep, bool force);  // flushes unless forced, for kCloseWait at most
   // A payload of `len` bytes as stripes (see the top): sent from, or received into, `buf`.
   int stripes(size_t len) const { return len >= kStripeMinBytes ? static_cast<int>(eps_.size()) : 1; }
   void send_payload(const char* buf, size_t len);
@@ -223,7 +225,8 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
                        bool same_host, int stripes)
     : Channel(peer), u_(u), w_(w), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
       peer_errors_(!same_host), send_req_(1 + stripes, nullptr), send_bounce_(kHeader + kInlineBytes),
-      reads_(same_host), cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
+      reads_(same_host),
+      cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
       payload_req_(stripes, nullptr), payload_info_(stripes), recv_bounce_(kHeader + kInlineBytes) {
   ucp_ep_params_t p{};
   p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
@@ -239,7 +242,12 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
   for (int i = 0; i < stripes; i++) {
     ucp_ep_h ep = nullptr;
     const ucs_status_t st = u_.ucp_ep_create(w_.h, &p, &ep);
-    if (st != UCS_OK) fail_status(u_, st, peer, "connect");  // the destructor closes those made
+    if (st != UCS_OK) {
+      // The constructor throws, so no destructor runs: the endpoints made so far close here
+      // (forced: more than one is made across hosts only, where error handling allows it).
+      for (ucp_ep_h made : eps_) close_endpoint(made, true);
+      fail_status(u_, st, peer, "connect");
+    }
     eps_.push_back(ep);
   }
 }
@@ -259,17 +267,19 @@ UcxChannel::~UcxChannel() {
   // connection would only fail (UCX logs each such failure as an error).
   const bool gone = broken_ || peer_left_;
   if (gone && !peer_errors_) return;  // forcing needs error handling: the worker's end closes it
-  for (ucp_ep_h ep : eps_) {
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    p.flags = gone ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    void* r = u_.ucp_ep_close_nbx(ep, &p);
-    if (!UCS_PTR_IS_PTR(r)) continue;
-    const auto until = Clock::now() + kCloseWait;
-    while (u_.ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
-      u_.ucp_worker_progress(w_.h);
-    u_.ucp_request_free(r);
-  }
+  for (ucp_ep_h ep : eps_) close_endpoint(ep, gone);
+}
+
+void UcxChannel::close_endpoint(ucp_ep_h ep, bool force) {
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+  void* r = u_.ucp_ep_close_nbx(ep, &p);
+  if (!UCS_PTR_IS_PTR(r)) return;
+  const auto until = Clock::now() + kCloseWait;
+  while (u_.ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until)
+    u_.ucp_worker_progress(w_.h);
+  u_.ucp_request_free(r);
 }
 
 void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part, size_t ep) {
@@ -617,10 +627,11 @@ std::string UcxNet::address() const {
 
 std::unique_ptr<Channel> UcxNet::connect(int peer, Stream stream, const std::string& remote, bool same_host) {
   uint32_t head[2] = {};
-  if (remote.size() < sizeof head) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  const std::string bad = "bad UCX address from rank " + std::to_string(peer);
+  if (remote.size() < sizeof head) fail(ErrorCode::SYSTEM, peer, bad);
   std::memcpy(head, remote.data(), sizeof head);
   const uint32_t n = head[1];
-  if (remote.size() < sizeof head + n) fail(ErrorCode::SYSTEM, peer, "bad UCX address from rank " + std::to_string(peer));
+  if (remote.size() < sizeof head + n) fail(ErrorCode::SYSTEM, peer, bad);
   const std::string addr = stream == Stream::COLL ? remote.substr(sizeof head, n) : remote.substr(sizeof head + n);
   // Both ends stripe alike: the fewer endpoints of the two (they may have been set apart).
   const int fewer = std::clamp<int>(std::min<uint32_t>(head[0], endpoints_), 1, kMaxStripes);
