@@ -339,7 +339,7 @@ def test_v_collectives(cluster, transport, n):
 
 
 def test_v_collectives_large(cluster, transport):
-    """Blocks past the direct path (the ring) and past the single-copy threshold (cma)."""
+    """Blocks past the direct path: single-copy (cma) on one host, the ring over the other channels."""
     _run(cluster, transport, 2, check_v_collectives, [DType.FLOAT32], 3_000_001, (1,), False)
 
 

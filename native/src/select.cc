@@ -61,11 +61,30 @@ constexpr Row kTable[] = {
 // Recursive doubling sends the whole buffer log2(n) times: only worth it while latency,
 // not bandwidth, dominates.
 constexpr size_t kRdMaxBytes = 64 << 10;
-// Below this the single-copy path loses to the ring over shared-memory channels: while the
-// data fits in cache the ring's extra copy is cheap, and cma's flag rounds and per-call page
-// pinning are not (2 ranks on 2 quiet cores, busbw GB/s: 2 MiB ring 16.7 / cma 5.9, 4 MiB
-// 15.6 / 6.2, 8-16 MiB about even, 32 MiB 6.7 / 8.1, 64 MiB 6.6 / 7.6).
-constexpr size_t kCmaMinBytes = 8 << 20;
+// Where the single-copy path (cma) takes over from the ring over shared-memory channels, in
+// the units of measure() below. Measured 2026-12-06 on 2 cores, 2 ranks, busbw GB/s of the
+// ring (rd below 64 KiB) / cma, medians of 3 (4 ranks: cma ahead at the same sizes):
+//   all_reduce      128 KiB 7.6 / 5.7, 256 KiB 8.0 / 9.0, 1 MiB 5.8 / 7.9, 4 MiB 5.5 / 8.6
+//   reduce_scatter  64 KiB 4.4 / 7.4, 1 MiB 5.0 / 11.0, 4 MiB 4.7 / 7.1
+//   all_gather      block 64 KiB 5.0 / 12.5, 1 MiB 4.9 / 7.4, 4 MiB 4.5 / 6.3 (the _v forms alike)
+// A reduction's ring hides its extra copy behind the reduction while the data fits in cache,
+// so all_reduce changes over later; a gather's ring is nothing but copies. The ring's copies
+// read lines the other core has just written, and on this shared machine they run at a
+// quarter of their speed for minutes at a time (a2a.cc), while cma's reads do not: in such a
+// window all_gather_v's ring was 2-3x behind cma at 64 KiB-4 MiB, outside one 10-20% ahead,
+// and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9). cma is the
+// choice that is never slow.
+// broadcast (cma ahead at 64 KiB-1 MiB, behind at 4 MiB) and all_to_all (even) keep 8 MiB.
+size_t cma_min_bytes(OpKind kind) {
+  switch (kind) {
+    case OpKind::ALL_REDUCE: return 256 << 10;
+    case OpKind::REDUCE_SCATTER:
+    case OpKind::REDUCE_SCATTER_V:
+    case OpKind::ALL_GATHER:
+    case OpKind::ALL_GATHER_V: return 0;  // wherever the direct path does not take it
+    default: return 8 << 20;
+  }
+}
 
 const Row* find(const char* name, const Comm& c, const Coll& op) {
   for (const Row& row : kTable)
@@ -93,7 +112,7 @@ const Row& automatic(const Comm& c, const Coll& op) {
   const Row* row = nullptr;
   if (c.opt.algo != kFlat) row = find("twolevel", c, op);
   if (!row && bytes <= c.opt.direct_max_bytes) row = find("direct", c, op);
-  if (!row && bytes >= kCmaMinBytes) row = find("cma", c, op);
+  if (!row && bytes >= cma_min_bytes(op.kind)) row = find("cma", c, op);
   if (!row && op.kind == OpKind::ALL_REDUCE && bytes <= kRdMaxBytes) row = find("rd", c, op);
   if (!row) {
     // The remaining rows of each kind are in order of preference and always fit.
