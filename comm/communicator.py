@@ -42,6 +42,7 @@ _ALLOWED = {(op, dt): op_allowed(op, dt) for op in ReduceOp for dt in DType}
 _ALL_REDUCE, _BROADCAST = int(OpKind.ALL_REDUCE), int(OpKind.BROADCAST)  # plain ints: no enum lookups
 _ALL_GATHER, _REDUCE_SCATTER = int(OpKind.ALL_GATHER), int(OpKind.REDUCE_SCATTER)
 _ALL_GATHER_V, _REDUCE_SCATTER_V = int(OpKind.ALL_GATHER_V), int(OpKind.REDUCE_SCATTER_V)
+_ALL_TO_ALL = int(OpKind.ALL_TO_ALL)
 _SKIPPED = object()   # _lean_call: the lean path did not take the call
 
 
@@ -129,6 +130,22 @@ class Communicator:
             except CommError as e:
                 raise self._error(op, f"CUDA buffer on the {self.transport} transport: {e.cause}") from None
         return self._stager
+
+    def _apart(self, op: str, inner: Buffer, outer: Buffer, at: int | None, layout: str = "") -> None:
+        """Refuse an input and output that share memory, except `inner` starting exactly at byte
+        `at` of `outer` (the call's in-place layout, `layout` in words; None: there is none).
+        Any other overlap lets a peer read what this rank is already overwriting (or the
+        reverse): data silently wrong on some rank, so it is an error on this one."""
+        if not inner.nbytes or not outer.nbytes or inner.device != outer.device:
+            return
+        if inner.ptr + inner.nbytes <= outer.ptr or outer.ptr + outer.nbytes <= inner.ptr:
+            return
+        if at is not None and inner.ptr == outer.ptr + at:
+            return
+        raise self._error(op, "input and output overlap" + (
+            f" other than in place ({layout})" if at is not None else
+            f"; {op} cannot run in place (peers read the input while the output is written): "
+            "pass a separate output"))
 
     def _same_type(self, op: str, a: Buffer, b: Buffer) -> None:
         if a.dtype != b.dtype:
@@ -374,6 +391,7 @@ class Communicator:
             recv = self._buf(out, name, writable=True, what="output")
             self._same_type(name, send, recv)
             self._count_match(name, recv.count, send.count, "output")
+            self._apart(name, send, recv, 0, "in place, out is x itself")
         rop, factor = self._reduce_op(name, op, send, scale)
         return OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor)
 
@@ -395,6 +413,7 @@ class Communicator:
         recv = self._buf(out, name, writable=True, what="output")
         self._same_type(name, send, recv)
         self._count_match(name, send.count, recv.count * self.size, "input")
+        self._apart(name, recv, send, self.rank * recv.nbytes, f"in place, out is block {self.rank} of x")
         rop, factor = self._reduce_op(name, op, send, scale)
         return OpDesc(OpKind.REDUCE_SCATTER, send, recv, send.dtype, recv.count, rop, factor)
 
@@ -415,6 +434,7 @@ class Communicator:
         recv = self._buf(out, name, writable=True, what="output")
         self._same_type(name, send, recv)
         self._count_match(name, recv.count, send.count * self.size, "output")
+        self._apart(name, send, recv, self.rank * send.nbytes, f"in place, x is block {self.rank} of out")
         return OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count)
 
     def all_gather_v(self, out, x, counts, *, async_op: bool = False):
@@ -469,6 +489,7 @@ class Communicator:
             recv = send if out is None else self._buf(out, name, writable=True, what="output")
             self._same_type(name, send, recv)
             self._count_match(name, recv.count, send.count, "output")
+            self._apart(name, send, recv, 0, "in place, out is x itself")
         rop, factor = self._reduce_op(name, op, send, scale)
         return self._post(OpDesc(OpKind.REDUCE, send, recv, send.dtype, send.count, rop, factor, root), async_op)
 
@@ -522,6 +543,10 @@ class Communicator:
     def all_to_all(self, out, x, out_splits=None, in_splits=None, *, async_op: bool = False):
         """Rank r sends in_splits[j] rows of x to rank j and receives out_splits[j] rows from rank j,
         packed in rank order (torch's all_to_all_single). Without splits: equal blocks."""
+        splits = None if in_splits is None and out_splits is None else (out_splits, in_splits)
+        done = self._lean_call(_ALL_TO_ALL, "all_to_all", x, out, None, None, splits, async_op)
+        if done is not _SKIPPED:
+            return done
         return self._post(self._all_to_all(out, x, out_splits, in_splits), async_op)
 
     def all_to_all_init(self, out, x, out_splits=None, in_splits=None) -> Persistent:
@@ -542,6 +567,7 @@ class Communicator:
         if send_counts[self.rank] != recv_counts[self.rank]:  # the block a rank keeps is copied
             raise self._error(name, f"in_splits[{self.rank}] and out_splits[{self.rank}] differ: "
                                     "the rows a rank sends itself must equal the rows it expects")
+        self._apart(name, send, recv, None)
         return OpDesc(OpKind.ALL_TO_ALL, send, recv, send.dtype, send.count,
                       send_counts=send_counts, recv_counts=recv_counts)
 

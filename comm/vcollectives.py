@@ -55,7 +55,13 @@ def _pair(c, name: str, out, x, counts, gathers: bool):
     if send.shape[1:] != recv.shape[1:] and send.count and recv.count:
         raise c._error(name, f"input rows {send.shape[1:]} and output rows {recv.shape[1:]} differ")
     row = row_in or row_out
-    return send, recv, tuple(k * row for k in counts)
+    elems = tuple(k * row for k in counts)
+    start = sum(elems[:c.rank]) * send.dtype.itemsize   # this rank's block: the in-place layout
+    if gathers:
+        c._apart(name, send, recv, start, f"in place, x is rank {c.rank}'s block of out")
+    else:
+        c._apart(name, recv, send, start, f"in place, out is rank {c.rank}'s block of x")
+    return send, recv, elems
 
 
 def all_gather_v(c, out, x, counts) -> OpDesc:

@@ -28,6 +28,7 @@ def _cases(world):
     f32 = np.ones(8, np.float32)
     ro = np.ones(8, np.float32)
     ro.flags.writeable = False
+    big, other = np.ones(16 * n, np.float32), (r + 1) % n
     return {
         "non_contiguous_numpy": ("all_reduce", lambda: world.all_reduce(np.ones((4, 4))[:, 1])),
         "non_contiguous_torch": ("all_reduce", lambda: world.all_reduce(_torch().ones(4, 4).t())),
@@ -64,6 +65,18 @@ def _cases(world):
         "recv_from_self": ("recv", lambda: world.recv(f32, r)),
         "negative_tag": ("send", lambda: world.send(f32, (r + 1) % n, tag=-1)),
         "cuda_buffer_on_cpu_transport": ("all_reduce", lambda: world.all_reduce(FakeCudaArray())),
+        # input and output sharing memory other than in the call's in-place layout: a peer
+        # would read what this rank overwrites (all_to_all has no in-place layout at all)
+        "all_to_all_in_place": ("all_to_all", lambda: world.all_to_all(big, big)),
+        "all_to_all_overlap": ("all_to_all", lambda: world.all_to_all(big[n:3 * n], big[:2 * n], [2] * n, [2] * n)),
+        "all_reduce_overlap": ("all_reduce", lambda: world.all_reduce(big[:8], out=big[1:9])),
+        "all_gather_other_block": ("all_gather", lambda: world.all_gather(big[:4 * n], big[other * 4:other * 4 + 4])),
+        "reduce_scatter_other_block": ("reduce_scatter", lambda: world.reduce_scatter(
+            big[other * 4:other * 4 + 4], big[:4 * n])),
+        "all_gather_v_other_block": ("all_gather_v", lambda: world.all_gather_v(
+            big[:4 * n], big[other * 4:other * 4 + 4], [4] * n)),
+        "reduce_scatter_v_other_block": ("reduce_scatter_v", lambda: world.reduce_scatter_v(
+            big[other * 4:other * 4 + 4], big[:4 * n], [4] * n)),
     }
 
 
@@ -94,7 +107,9 @@ CASES = ["non_contiguous_numpy", "non_contiguous_torch", "read_only_output", "un
          "v_counts_length", "v_counts_negative", "v_counts_not_int", "v_input_rows", "v_output_rows",
          "root_too_large", "root_negative", "root_not_int", "scatter_root_without_input",
          "peer_out_of_range", "send_to_self", "recv_from_self", "negative_tag",
-         "cuda_buffer_on_cpu_transport"]
+         "cuda_buffer_on_cpu_transport", "all_to_all_in_place", "all_to_all_overlap", "all_reduce_overlap",
+         "all_gather_other_block", "reduce_scatter_other_block", "all_gather_v_other_block",
+         "reduce_scatter_v_other_block"]
 
 
 @pytest.mark.parametrize("name", [pytest.param(c, marks=pytest.mark.skipif(
@@ -106,6 +121,41 @@ def test_refused_before_sending(cluster, name):
         assert kind == "InvalidArgument" and err_rank == rank and err_op == op, got
         assert text.startswith(f"[rank {rank}] {op}: "), text
         assert usable, f"rank {rank}: communicator unusable after {name}"
+
+
+def in_place_layouts(world):
+    """The in-place layouts that the overlap check lets through, each exact (blocking and
+    async, so through the lean path and the full one; 2-D rows take the full path)."""
+    n, r = world.size, world.rank
+    got = {}
+    for shape in ((), (2,)):
+        width = shape[0] if shape else 1
+        out = np.zeros((4 * n,) + shape, np.float32)
+        out[4 * r:4 * r + 4] = r + 1
+        world.all_gather(out, out[4 * r:4 * r + 4])
+        got["all_gather", shape] = out.reshape(-1).tolist() == [q + 1.0 for q in range(n) for _ in range(4 * width)]
+        x = np.arange(4 * n * width, dtype=np.float32).reshape((4 * n,) + shape)
+        world.reduce_scatter(x[4 * r:4 * r + 4], x, async_op=True).wait()
+        want = n * np.arange(4 * n * width, dtype=np.float32).reshape((4 * n,) + shape)[4 * r:4 * r + 4]
+        got["reduce_scatter", shape] = bool((x[4 * r:4 * r + 4] == want).all())
+        counts = [q + 1 for q in range(n)]
+        start = sum(counts[:r])
+        out = np.zeros((sum(counts),) + shape, np.float32)
+        out[start:start + counts[r]] = r + 1
+        world.all_gather_v(out, out[start:start + counts[r]], counts)
+        got["all_gather_v", shape] = out.reshape(-1).tolist() == [q + 1.0 for q in range(n) for _ in range(counts[q] * width)]
+        x = np.ones((sum(counts),) + shape, np.float32)
+        world.reduce_scatter_v(x[start:start + counts[r]], x, counts)
+        got["reduce_scatter_v", shape] = bool((x[start:start + counts[r]] == n).all())
+        y = np.full((8,) + shape, r + 1.0, np.float32)
+        world.all_reduce(y, out=y)
+        got["all_reduce", shape] = bool((y == n * (n + 1) / 2).all())
+    return got
+
+
+def test_in_place_layouts_are_accepted(cluster):
+    for rank, got in enumerate(cluster(3).run(in_place_layouts)):
+        assert all(got.values()), (rank, got)
 
 
 def use_after_close(world):

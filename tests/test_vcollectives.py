@@ -75,6 +75,61 @@ def lean_and_full(world):
     return results, refused
 
 
+def all_to_all_forms(world):
+    """all_to_all through the engine's one-call path (1-D arrays; splits as lists of ints, or
+    none) and the full path (numpy splits, rows of 2), blocking and async; and the lean form's
+    bad splits refused by the full path's checks."""
+    n, r = world.size, world.rank
+    splits = [[1 + (2 * s + d) % 3 for d in range(n)] for s in range(n)]   # splits[s][d]: s sends d
+    sends, expects = splits[r], [splits[s][r] for s in range(n)]
+
+    def block(s, d, width):   # the rows rank s sends rank d
+        start = sum(splits[s][:d])
+        return [[100.0 * s + start + i + 0.5 * c for c in range(width)] for i in range(splits[s][d])]
+
+    results, kinds = {}, {}
+    for form, width, as_splits, async_op in (("lean", 1, list, False), ("lean async", 1, tuple, True),
+                                             ("numpy splits", 1, np.array, False), ("rows", 2, list, False)):
+        rows = [row for d in range(n) for row in block(r, d, width)]
+        x = np.array(rows, np.float32).reshape((-1, width) if width > 1 else (-1,))
+        out = np.zeros((sum(expects),) + x.shape[1:], np.float32)
+        w = world.all_to_all(out, x, as_splits(expects), as_splits(sends), async_op=async_op)
+        if async_op:
+            kinds[form] = type(w).__name__
+            w.wait()
+        results[form] = out.reshape(len(out), -1).tolist()
+    want = [row for s in range(n) for row in block(s, r, 1)]
+    even_in = np.arange(3 * n, dtype=np.int64) + 1000 * r
+    for form, x in (("even lean", even_in), ("even rows", even_in.reshape(-1, 1))):
+        out = np.zeros_like(x)
+        world.all_to_all(out, x)
+        results[form] = out.reshape(-1).tolist()
+    refused = []
+    x, out = np.zeros(sum(sends), np.float32), np.zeros(sum(expects), np.float32)
+    bad = {"sum": (expects, sends[:-1] + [sends[-1] + 1]), "negative": (expects, [-1] + sends[1:]),
+           "own block": ([e + (q == r) for q, e in enumerate(expects)], sends), "huge": (expects, [2 ** 70] * n)}
+    for what, (o, i) in bad.items():
+        try:
+            world.all_to_all(out, x, o, i)
+            refused.append((what, None))
+        except comm.InvalidArgument as e:
+            refused.append((what, str(e)))
+    return results, want, kinds, refused
+
+
+@needs_native
+def test_all_to_all_lean_path_matches_the_full_path():
+    for r, (results, want, kinds, refused) in enumerate(run_ranks(all_to_all_forms, 3)):
+        assert results["lean"] == [[v] for v in np.array(want, np.float32).reshape(-1).tolist()], r
+        assert results["lean async"] == results["numpy splits"] == results["lean"], r
+        assert [row[0] for row in results["rows"]] == [row[0] for row in results["lean"]], r
+        assert kinds["lean async"] == "LeanWork", kinds   # the one-call path took it
+        even = [1000 * s + 3 * r + i for s in range(3) for i in range(3)]
+        assert results["even lean"] == results["even rows"] == even, r
+        for what, text in refused:
+            assert text and "all_to_all" in text and f"rank {r}" in text, (what, text)
+
+
 @needs_native
 def test_lean_path_matches_the_full_path():
     for r, (results, refused) in enumerate(run_ranks(lean_and_full, 2)):

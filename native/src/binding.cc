@@ -252,9 +252,55 @@ bool lean_counts(nb::handle counts, int size, std::vector<uint64_t>* out) {
   return true;
 }
 
+// all_to_all's splits in elements (the arrays are 1-D): `counts` None for equal blocks, or
+// (out_splits, in_splits) as lists or tuples of ints that add up to the arrays' sizes, this
+// rank's own block alike in both; false for anything else (the full path names the problem).
+bool lean_splits(const Engine& e, nb::handle counts, uint64_t in_elems, uint64_t out_elems,
+                 std::vector<uint64_t>* sends, std::vector<uint64_t>* expects) {
+  const int n = e.size();
+  if (counts.is_none()) {
+    if (in_elems != out_elems || in_elems % n) return false;
+    sends->assign(n, in_elems / n);
+    *expects = *sends;
+    return true;
+  }
+  PyObject* pair = counts.ptr();
+  if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 ||
+      !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 0)), n, expects) ||
+      !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 1)), n, sends))
+    return false;
+  auto adds_up = [](const std::vector<uint64_t>& splits, uint64_t elems) {
+    uint64_t total = 0;  // no sum can overflow: each split and partial sum is at most `elems`
+    for (uint64_t k : splits)
+      if (k > elems || (total += k) > elems) return false;
+    return total == elems;
+  };
+  return adds_up(*sends, in_elems) && adds_up(*expects, out_elems) && (*sends)[e.rank()] == (*expects)[e.rank()];
+}
+
+// Whether a call's input and output share memory other than in its in-place layout (the
+// output itself for all_reduce; this rank's block for the gathers and scatters; none for
+// all_to_all): the full path then refuses it, naming the layout (Communicator._apart).
+bool overlaps(const OpArgs& a, int rank) {
+  if (!a.send_bytes || !a.recv_bytes || a.send + a.send_bytes <= a.recv || a.recv + a.recv_bytes <= a.send)
+    return false;
+  uint64_t at = 0;  // this rank's block in the v-collectives
+  for (int q = 0; q < rank && q < static_cast<int>(a.recv_counts.size()); q++) at += a.recv_counts[q];
+  at *= itemsize(a.dtype);
+  switch (a.kind) {
+    case OpKind::ALL_REDUCE: return a.send != a.recv;
+    case OpKind::ALL_GATHER: return a.send != a.recv + rank * a.send_bytes;
+    case OpKind::ALL_GATHER_V: return a.send != a.recv + at;
+    case OpKind::REDUCE_SCATTER: return a.recv != a.send + rank * a.recv_bytes;
+    case OpKind::REDUCE_SCATTER_V: return a.recv != a.send + at;
+    default: return true;
+  }
+}
+
 // The arguments of the lean path's call: all_reduce (in place or into `out`) or broadcast of
-// one plain array, all_gather / reduce_scatter between two, or all_gather_v /
-// reduce_scatter_v between plain 1-D arrays with `counts`;
+// one plain array, all_gather / reduce_scatter between two, all_gather_v / reduce_scatter_v
+// between plain 1-D arrays with `counts`, or all_to_all between plain 1-D arrays, `counts`
+// None (equal blocks) or (out_splits, in_splits);
 // false, having touched nothing, for anything else (the caller then takes the full path,
 // whose checks name the problem).
 bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj, nb::handle root_obj,
@@ -262,8 +308,9 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
   const auto k = static_cast<OpKind>(kind);
   const bool v = k == OpKind::ALL_GATHER_V || k == OpKind::REDUCE_SCATTER_V;
   const bool even = k == OpKind::ALL_GATHER || k == OpKind::REDUCE_SCATTER;  // blocks of one size
+  const bool a2a = k == OpKind::ALL_TO_ALL;
   const bool reduces = k == OpKind::ALL_REDUCE || k == OpKind::REDUCE_SCATTER || k == OpKind::REDUCE_SCATTER_V;
-  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST && !v && !even) return false;
+  if (k != OpKind::ALL_REDUCE && k != OpKind::BROADCAST && !v && !even && !a2a) return false;
   if (reduces && !PyLong_Check(op_obj.ptr())) return false;
   if (!root_obj.is_none() && !PyLong_CheckExact(root_obj.ptr())) return false;
   const long op = reduces ? PyLong_AsLong(op_obj.ptr()) : 0;
@@ -272,14 +319,14 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
     PyErr_Clear();
     return false;
   }
-  std::vector<uint64_t> elems;
+  std::vector<uint64_t> elems, sends;  // recv_counts (v-collectives, all_to_all), send_counts
   if (v && !lean_counts(counts, e.size(), &elems)) return false;
   const bool in_place = out.is_none();
-  if ((v || even) && in_place) return false;
+  if ((v || even || a2a) && in_place) return false;
   Array send, recv;
-  if (!plain_array(x.ptr(), in_place, &send, v)) return false;
+  if (!plain_array(x.ptr(), in_place, &send, v || a2a)) return false;
   recv = send;
-  if (!in_place && (!plain_array(out.ptr(), true, &recv, v) || recv.dtype != send.dtype)) return false;
+  if (!in_place && (!plain_array(out.ptr(), true, &recv, v || a2a) || recv.dtype != send.dtype)) return false;
   const size_t elem = itemsize(send.dtype);
   uint64_t count = send.bytes / elem;
   if (v) {
@@ -300,11 +347,14 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
     const bool gathers = k == OpKind::ALL_GATHER;
     if ((gathers ? recv.bytes : send.bytes) != n * (gathers ? send.bytes : recv.bytes)) return false;
     count = (gathers ? send.bytes : recv.bytes) / elem;
+  } else if (a2a) {
+    if (!lean_splits(e, counts, send.bytes / elem, recv.bytes / elem, &sends, &elems)) return false;
   } else if (!in_place && recv.bytes != send.bytes) {
     return false;
   }
   *args = OpArgs{k, send.dtype, ReduceOp::SUM, 1.0, send.ptr, send.bytes, recv.ptr, recv.bytes,
-                 count, 0, -1, 0, {}, std::move(elems)};
+                 count, 0, -1, 0, std::move(sends), std::move(elems)};
+  if (!in_place && overlaps(*args, e.rank())) return false;
   if (reduces) {
     if (op < 0 || op >= static_cast<long>(ReduceOp::COUNT) || op == static_cast<long>(ReduceOp::PREMUL_SUM) ||
         !g_reducible[op][static_cast<size_t>(send.dtype)])
