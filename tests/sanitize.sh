@@ -31,11 +31,14 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # The subset (a few minutes on 2 cores; everything runs about 5x slower under ASan): bad
 # input at every layer and all_to_all on the wire (test_memory_safety, test_invalid_input),
 # every native algorithm forced in turn on shared memory and TCP (test_forced_algorithm),
-# and the conformance suite's native all_to_all, reduce_scatter / all_gather and rooted
-# collectives at 3 ranks.
+# the conformance suite's native all_to_all, reduce_scatter / all_gather and rooted
+# collectives at 3 ranks, and the one-call path's async Works (whose ops the progress thread
+# sees while their waiters run and free them).
 C=tests/test_conformance.py
+V=tests/test_vcollectives.py
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_memory_safety.py tests/test_invalid_input.py \
   tests/test_native_algorithms.py::test_forced_algorithm \
   "$C::test_all_to_all[native-2]" "$C::test_all_to_all[native-3]" \
-  "$C::test_reduce_scatter_all_gather[native-3]" "$C::test_broadcast_reduce_gather_scatter[native-3]" "$@"
+  "$C::test_reduce_scatter_all_gather[native-3]" "$C::test_broadcast_reduce_gather_scatter[native-3]" \
+  "$V::test_lean_path_matches_the_full_path" "$V::test_all_to_all_lean_path_matches_the_full_path" "$@"

@@ -231,7 +231,10 @@ void Engine::progress_loop() {
         continue;
       }
       // Its waiter usually runs it first: look again when it is due, or a slice from now.
-      cv_.wait_until(lock, std::max(front.due, now + slice_));
+      // A copy: wait_until reads its time after waking, when the waiter may have run and
+      // freed `front` (std::max would hand it a reference into the op).
+      const Clock::time_point until = std::max(front.due, now + slice_);
+      cv_.wait_until(lock, until);
     } else if (armed_ && now - quiet_since < kArmedFor) {
       cv_.wait_until(lock, now + slice_);  // a small op may be queued meanwhile without a notify
     } else {
