@@ -76,9 +76,9 @@ def lean_and_full(world):
 
 
 def all_to_all_forms(world):
-    """all_to_all through the engine's one-call path (1-D arrays; splits as lists of ints, or
-    none) and the full path (numpy splits, rows of 2), blocking and async; and the lean form's
-    bad splits refused by the full path's checks."""
+    """all_to_all through the engine's one-call path (plain arrays, 1-D or rows; splits as
+    lists of ints, or none) and the full path (numpy splits), blocking and async; and the
+    one-call form's bad splits and shapes refused by the full path's checks."""
     n, r = world.size, world.rank
     splits = [[1 + (2 * s + d) % 3 for d in range(n)] for s in range(n)]   # splits[s][d]: s sends d
     sends, expects = splits[r], [splits[s][r] for s in range(n)]
@@ -89,7 +89,8 @@ def all_to_all_forms(world):
 
     results, kinds = {}, {}
     for form, width, as_splits, async_op in (("lean", 1, list, False), ("lean async", 1, tuple, True),
-                                             ("numpy splits", 1, np.array, False), ("rows", 2, list, False)):
+                                             ("numpy splits", 1, np.array, False), ("rows", 2, list, False),
+                                             ("rows async", 2, list, True)):
         rows = [row for d in range(n) for row in block(r, d, width)]
         x = np.array(rows, np.float32).reshape((-1, width) if width > 1 else (-1,))
         out = np.zeros((sum(expects),) + x.shape[1:], np.float32)
@@ -98,7 +99,7 @@ def all_to_all_forms(world):
             kinds[form] = type(w).__name__
             w.wait()
         results[form] = out.reshape(len(out), -1).tolist()
-    want = [row for s in range(n) for row in block(s, r, 1)]
+    want = [row for s in range(n) for row in block(s, r, 2)]
     even_in = np.arange(3 * n, dtype=np.int64) + 1000 * r
     for form, x in (("even lean", even_in), ("even rows", even_in.reshape(-1, 1))):
         out = np.zeros_like(x)
@@ -107,8 +108,11 @@ def all_to_all_forms(world):
     refused = []
     x, out = np.zeros(sum(sends), np.float32), np.zeros(sum(expects), np.float32)
     bad = {"sum": (expects, sends[:-1] + [sends[-1] + 1]), "negative": (expects, [-1] + sends[1:]),
-           "own block": ([e + (q == r) for q, e in enumerate(expects)], sends), "huge": (expects, [2 ** 70] * n)}
+           "own block": ([e + (q == r) for q, e in enumerate(expects)], sends), "huge": (expects, [2 ** 70] * n),
+           "rows differ": (expects, sends)}
     for what, (o, i) in bad.items():
+        if what == "rows differ":
+            x, out = np.zeros((sum(sends), 2), np.float32), np.zeros((sum(expects), 1, 2), np.float32)
         try:
             world.all_to_all(out, x, o, i)
             refused.append((what, None))
@@ -120,10 +124,10 @@ def all_to_all_forms(world):
 @needs_native
 def test_all_to_all_lean_path_matches_the_full_path():
     for r, (results, want, kinds, refused) in enumerate(run_ranks(all_to_all_forms, 3)):
-        assert results["lean"] == [[v] for v in np.array(want, np.float32).reshape(-1).tolist()], r
+        assert results["rows"] == results["rows async"] == np.array(want, np.float32).tolist(), r
+        assert results["lean"] == [row[:1] for row in results["rows"]], r
         assert results["lean async"] == results["numpy splits"] == results["lean"], r
-        assert [row[0] for row in results["rows"]] == [row[0] for row in results["lean"]], r
-        assert kinds["lean async"] == "LeanWork", kinds   # the one-call path took it
+        assert kinds == {"lean async": "LeanWork", "rows async": "LeanWork"}, kinds   # the one-call path took them
         even = [1000 * s + 3 * r + i for s in range(3) for i in range(3)]
         assert results["even lean"] == results["even rows"] == even, r
         for what, text in refused:

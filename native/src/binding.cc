@@ -8,6 +8,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 
@@ -38,7 +39,7 @@ PyObject* g_buffer_changed = nullptr;  // _native.BufferChanged
 // would be turned into a new str object on every access.
 struct Names {
   PyObject *is_cpu, *dtype, *is_contiguous, *data_ptr, *nbytes, *storage_offset, *untyped_storage,
-      *is_neg, *acquire, *release, *dim;
+      *is_neg, *acquire, *release, *dim, *shape;
 };
 Names g_names{};
 
@@ -177,23 +178,29 @@ bool torch_loaded() {
   return true;
 }
 
-// Where a plain array's elements are.
+// Where a plain array's elements are, and its shape where the caller asked for it.
 struct Array {
   uintptr_t ptr;
   uint64_t bytes;
   DType dtype;
+  std::vector<uint64_t> shape;
 };
+
+// What plain_array requires of an array's dimensions: any, exactly one, or at least one with
+// the shape recorded (all_to_all's splits count rows of dim 0).
+enum class Dims { ANY, ONE, SHAPE };
 
 // A plain array usable as-is: exactly numpy.ndarray (C-contiguous, a supported dtype,
 // writable when it will be written; read through the buffer protocol) or exactly a
 // contiguous CPU torch.Tensor. False for anything else, with no Python error set.
-bool plain_array(PyObject* obj, bool writable, Array* out, bool one_dim = false) {
+bool plain_array(PyObject* obj, bool writable, Array* out, Dims dims = Dims::ANY) {
   if (Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(g_ndarray)) {
     View view(obj, writable);
     if (!view.ok || !view.contiguous() || !dtype_of(view.v, &out->dtype)) return false;
-    if (one_dim && view.v.ndim != 1) return false;
+    if (dims == Dims::ONE ? view.v.ndim != 1 : dims == Dims::SHAPE && view.v.ndim < 1) return false;
     out->ptr = reinterpret_cast<uintptr_t>(view.v.buf);
     out->bytes = static_cast<uint64_t>(view.v.len);
+    if (dims == Dims::SHAPE) out->shape.assign(view.v.shape, view.v.shape + view.v.ndim);
     return true;  // the caller holds obj for the whole call: the memory stays
   }
   if (!torch_loaded() || Py_TYPE(obj) != reinterpret_cast<PyTypeObject*>(g_torch.tensor)) return false;
@@ -213,8 +220,12 @@ bool plain_array(PyObject* obj, bool writable, Array* out, bool one_dim = false)
     const auto offset = nb::cast<uint64_t>(call(obj, n.storage_offset)) * itemsize(static_cast<DType>(i));
     if (nb::cast<uint64_t>(call(call(obj, n.untyped_storage).ptr(), n.nbytes)) < offset + bytes) return false;
     if (call(obj, n.is_neg).ptr() != Py_False) return false;
-    if (one_dim && nb::cast<long>(call(obj, n.dim)) != 1) return false;
-    *out = Array{ptr, bytes, static_cast<DType>(i)};
+    if (dims == Dims::ONE && nb::cast<long>(call(obj, n.dim)) != 1) return false;
+    *out = Array{ptr, bytes, static_cast<DType>(i), {}};
+    if (dims == Dims::SHAPE) {
+      out->shape = nb::cast<std::vector<uint64_t>>(attr(obj, n.shape));
+      if (out->shape.empty()) return false;
+    }
     return true;
   } catch (const std::exception&) {  // python_error (cleared by its destructor) or a bad cast
     return false;
@@ -252,15 +263,23 @@ bool lean_counts(nb::handle counts, int size, std::vector<uint64_t>* out) {
   return true;
 }
 
-// all_to_all's splits in elements (the arrays are 1-D): `counts` None for equal blocks, or
-// (out_splits, in_splits) as lists or tuples of ints that add up to the arrays' sizes, this
-// rank's own block alike in both; false for anything else (the full path names the problem).
-bool lean_splits(const Engine& e, nb::handle counts, uint64_t in_elems, uint64_t out_elems,
-                 std::vector<uint64_t>* sends, std::vector<uint64_t>* expects) {
+// all_to_all's splits, in elements, of arrays of these shapes: `counts` None for equal blocks,
+// or (out_splits, in_splits), rows of dim 0 as lists or tuples of ints that add up to the
+// arrays' rows, this rank's own block alike in both; rows of one shape in both arrays. False
+// for anything else (the full path names the problem, or takes the edge cases).
+bool lean_splits(const Engine& e, nb::handle counts, const std::vector<uint64_t>& in_shape,
+                 const std::vector<uint64_t>& out_shape, std::vector<uint64_t>* sends,
+                 std::vector<uint64_t>* expects) {
   const int n = e.size();
+  if (in_shape.size() != out_shape.size() || !std::equal(in_shape.begin() + 1, in_shape.end(), out_shape.begin() + 1))
+    return false;
+  uint64_t row = 1;  // elements per row (no product can overflow: the array holds them)
+  for (size_t d = 1; d < in_shape.size(); d++) row *= in_shape[d];
+  const uint64_t rows_in = in_shape[0], rows_out = out_shape[0];
+  if (!row) return false;
   if (counts.is_none()) {
-    if (in_elems != out_elems || in_elems % n) return false;
-    sends->assign(n, in_elems / n);
+    if (rows_in != rows_out || rows_in % n) return false;
+    sends->assign(n, rows_in / n * row);
     *expects = *sends;
     return true;
   }
@@ -269,13 +288,17 @@ bool lean_splits(const Engine& e, nb::handle counts, uint64_t in_elems, uint64_t
       !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 0)), n, expects) ||
       !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 1)), n, sends))
     return false;
-  auto adds_up = [](const std::vector<uint64_t>& splits, uint64_t elems) {
-    uint64_t total = 0;  // no sum can overflow: each split and partial sum is at most `elems`
+  auto adds_up = [](const std::vector<uint64_t>& splits, uint64_t rows) {
+    uint64_t total = 0;  // no sum can overflow: each split and partial sum is at most `rows`
     for (uint64_t k : splits)
-      if (k > elems || (total += k) > elems) return false;
-    return total == elems;
+      if (k > rows || (total += k) > rows) return false;
+    return total == rows;
   };
-  return adds_up(*sends, in_elems) && adds_up(*expects, out_elems) && (*sends)[e.rank()] == (*expects)[e.rank()];
+  if (!adds_up(*sends, rows_in) || !adds_up(*expects, rows_out) || (*sends)[e.rank()] != (*expects)[e.rank()])
+    return false;
+  for (auto* splits : {sends, expects})
+    for (uint64_t& k : *splits) k *= row;
+  return true;
 }
 
 // Whether a call's input and output share memory other than in its in-place layout (the
@@ -299,8 +322,8 @@ bool overlaps(const OpArgs& a, int rank) {
 
 // The arguments of the lean path's call: all_reduce (in place or into `out`) or broadcast of
 // one plain array, all_gather / reduce_scatter between two, all_gather_v / reduce_scatter_v
-// between plain 1-D arrays with `counts`, or all_to_all between plain 1-D arrays, `counts`
-// None (equal blocks) or (out_splits, in_splits);
+// between plain 1-D arrays with `counts`, or all_to_all between plain arrays with rows of one
+// shape, `counts` None (equal blocks) or (out_splits, in_splits);
 // false, having touched nothing, for anything else (the caller then takes the full path,
 // whose checks name the problem).
 bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_obj, nb::handle root_obj,
@@ -324,9 +347,10 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
   const bool in_place = out.is_none();
   if ((v || even || a2a) && in_place) return false;
   Array send, recv;
-  if (!plain_array(x.ptr(), in_place, &send, v || a2a)) return false;
+  const Dims dims = v ? Dims::ONE : a2a ? Dims::SHAPE : Dims::ANY;
+  if (!plain_array(x.ptr(), in_place, &send, dims)) return false;
   recv = send;
-  if (!in_place && (!plain_array(out.ptr(), true, &recv, v || a2a) || recv.dtype != send.dtype)) return false;
+  if (!in_place && (!plain_array(out.ptr(), true, &recv, dims) || recv.dtype != send.dtype)) return false;
   const size_t elem = itemsize(send.dtype);
   uint64_t count = send.bytes / elem;
   if (v) {
@@ -348,7 +372,7 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
     if ((gathers ? recv.bytes : send.bytes) != n * (gathers ? send.bytes : recv.bytes)) return false;
     count = (gathers ? send.bytes : recv.bytes) / elem;
   } else if (a2a) {
-    if (!lean_splits(e, counts, send.bytes / elem, recv.bytes / elem, &sends, &elems)) return false;
+    if (!lean_splits(e, counts, send.shape, recv.shape, &sends, &elems)) return false;
   } else if (!in_place && recv.bytes != send.bytes) {
     return false;
   }
@@ -619,7 +643,8 @@ NB_MODULE(_native, m) {
 
   g_names = Names{intern("is_cpu"), intern("dtype"), intern("is_contiguous"), intern("data_ptr"),
                   intern("nbytes"), intern("storage_offset"), intern("untyped_storage"),
-                  intern("is_neg"), intern("acquire"), intern("release"), intern("dim")};
+                  intern("is_neg"), intern("acquire"), intern("release"), intern("dim"),
+                  intern("shape")};
   m.attr("LEAN_SKIPPED") = static_cast<int>(LEAN_SKIPPED);
   m.attr("LEAN_BUSY") = static_cast<int>(LEAN_BUSY);
   g_buffer_changed = PyErr_NewException("comm._native.BufferChanged", PyExc_ValueError, nullptr);
