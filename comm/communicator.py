@@ -503,6 +503,7 @@ class Communicator:
             recv = self._buf(out, name, writable=True, what="output")
             self._same_type(name, send, recv)
             self._count_match(name, recv.count, send.count * self.size, "output")
+            self._apart(name, send, recv, root * send.nbytes, f"in place, x is block {root} of out")
         return self._post(OpDesc(OpKind.GATHER, send, recv, send.dtype, send.count, root=root), async_op)
 
     def scatter(self, out, x, root: int = 0, *, async_op: bool = False):
@@ -515,6 +516,7 @@ class Communicator:
             send = self._buf(x, name, writable=False, what="input")
             self._same_type(name, send, recv)
             self._count_match(name, send.count, recv.count * self.size, "input")
+            self._apart(name, recv, send, root * recv.nbytes, f"in place, out is block {root} of x")
         return self._post(OpDesc(OpKind.SCATTER, send, recv, recv.dtype, recv.count, root=root), async_op)
 
     def _splits(self, op: str, buf: Buffer, splits, what: str) -> tuple[int, ...]:

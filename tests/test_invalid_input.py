@@ -153,6 +153,31 @@ def in_place_layouts(world):
     return got
 
 
+def rooted_overlaps(world):
+    """One rank, so the root's own checks decide: gather and scatter accept the root's block
+    in place and refuse any other overlap, naming the layout."""
+    big = np.arange(16, dtype=np.float32)
+    got = []
+    for op, call in (("gather", lambda: world.gather(big[:8], big[1:9])),
+                     ("scatter", lambda: world.scatter(big[1:9], big[:8])),
+                     ("reduce", lambda: world.reduce(big[:8], out=big[2:10]))):
+        try:
+            call()
+            got.append((op, None))
+        except comm.InvalidArgument as e:
+            got.append((op, str(e)))
+    world.gather(big[:8], big[:8])
+    world.scatter(big[:8], big[:8])
+    return got, big[:8].tolist() == list(range(8))
+
+
+def test_rooted_overlaps_are_refused(cluster):
+    (got, in_place_ok), = cluster(1).run(rooted_overlaps)
+    for op, text in got:
+        assert text and text.startswith(f"[rank 0] {op}: input and output overlap"), (op, text)
+    assert in_place_ok
+
+
 def test_in_place_layouts_are_accepted(cluster):
     for rank, got in enumerate(cluster(3).run(in_place_layouts)):
         assert all(got.values()), (rank, got)
