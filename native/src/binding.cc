@@ -263,6 +263,15 @@ bool lean_counts(nb::handle counts, int size, std::vector<uint64_t>* out) {
   return true;
 }
 
+// The sum of `counts` in `total` when it is at most `limit`; false otherwise (no sum can
+// overflow: each count and partial sum is checked against the limit as it is added).
+bool sum_within(const std::vector<uint64_t>& counts, uint64_t limit, uint64_t* total) {
+  *total = 0;
+  for (uint64_t k : counts)
+    if (k > limit || (*total += k) > limit) return false;
+  return true;
+}
+
 // all_to_all's splits, in elements, of arrays of these shapes: `counts` None for equal blocks,
 // or (out_splits, in_splits), rows of dim 0 as lists or tuples of ints that add up to the
 // arrays' rows, this rank's own block alike in both; rows of one shape in both arrays. False
@@ -290,13 +299,9 @@ bool lean_splits(const Engine& e, nb::handle counts, const std::vector<uint64_t>
       !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 0)), n, expects) ||
       !lean_counts(nb::handle(PyTuple_GET_ITEM(pair, 1)), n, sends))
     return false;
-  auto adds_up = [](const std::vector<uint64_t>& splits, uint64_t rows) {
-    uint64_t total = 0;  // no sum can overflow: each split and partial sum is at most `rows`
-    for (uint64_t k : splits)
-      if (k > rows || (total += k) > rows) return false;
-    return total == rows;
-  };
-  if (!adds_up(*sends, rows_in) || !adds_up(*expects, rows_out) || (*sends)[e.rank()] != (*expects)[e.rank()])
+  uint64_t sent, expected;
+  if (!sum_within(*sends, rows_in, &sent) || !sum_within(*expects, rows_out, &expected) || sent != rows_in ||
+      expected != rows_out || (*sends)[e.rank()] != (*expects)[e.rank()])
     return false;
   for (auto* splits : {sends, expects})
     for (uint64_t& k : *splits) k *= row;
@@ -358,11 +363,8 @@ bool lean_args(Engine& e, int kind, nb::handle x, nb::handle out, nb::handle op_
   if (v) {
     // 1-D: counts are elements. Every size is checked against the arrays' own (no product
     // can overflow: each count is at most an array's element count).
-    uint64_t total = 0;
-    const uint64_t longest = std::max(send.bytes, recv.bytes) / elem;
-    for (uint64_t c : elems) {
-      if (c > longest || (total += c) > longest) return false;
-    }
+    uint64_t total;
+    if (!sum_within(elems, std::max(send.bytes, recv.bytes) / elem, &total)) return false;
     const uint64_t mine = elems[e.rank()];
     const bool gathers = k == OpKind::ALL_GATHER_V;
     if (send.bytes != (gathers ? mine : total) * elem || recv.bytes != (gathers ? total : mine) * elem)

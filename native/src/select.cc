@@ -63,7 +63,7 @@ constexpr Row kTable[] = {
 constexpr size_t kRdMaxBytes = 64 << 10;
 // Where the single-copy path (cma) takes over from the ring over shared-memory channels, in
 // the units of measure() below. Measured 2026-12-06 on 2 cores, 2 ranks, busbw GB/s of the
-// ring (rd below 64 KiB) / cma, medians of 3 (4 ranks: cma ahead at the same sizes):
+// ring / cma, medians of 3 (4 ranks: cma ahead at the same sizes):
 //   all_reduce      128 KiB 7.6 / 5.7, 256 KiB 8.0 / 9.0, 1 MiB 5.8 / 7.9, 4 MiB 5.5 / 8.6
 //   reduce_scatter  64 KiB 4.4 / 7.4, 1 MiB 5.0 / 11.0, 4 MiB 4.7 / 7.1
 //   all_gather      block 64 KiB 5.0 / 12.5, 1 MiB 4.9 / 7.4, 4 MiB 4.5 / 6.3 (the _v forms alike)
