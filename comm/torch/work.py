@@ -107,10 +107,10 @@ class TorchWork(dist.distributed_c10d.Work):
         self._pending = (comm_works, completer)
 
     def _take(self):
-        """The deferred comm works, now this caller's to complete; None if someone took them."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        return pending
+        """The deferred comm works, now this caller's to complete; None if someone took them.
+        (A dict's pop is atomic under the GIL: of two threads taking at once, one gets them,
+        without the cost of a lock on the asynchronous path.)"""
+        return self.__dict__.pop("_pending", None)
 
     def _stream_ordered(self, comm_works) -> bool:
         """True when every operation completes on a CUDA stream (nccl) and nothing is copied
@@ -123,30 +123,37 @@ class TorchWork(dist.distributed_c10d.Work):
 
     def _complete(self, comm_works, timeout: float | None) -> None:
         """Wait on the comm operations, copy staged outputs back, resolve the future (running its
-        callbacks), then mark the work done."""
+        callbacks), then mark the work done. (Small operations' async latency is mostly this
+        method and the Work's construction: it does no more than the case at hand needs.)"""
         try:
             for w in comm_works:
+                if w is None:
+                    continue
                 if isinstance(w, TorchWork):   # coalesced: done means done on the GPU too
                     w._host_wait(timeout)
-                elif w is not None:
+                else:
                     w.wait(timeout)
                     if self._op == "recv" and self._source < 0:
                         self._source = w.source
-            for dst, src in self._copies:
-                dst.copy_(src)
-            if self._copies and self._device is not None:   # the copies ran on this thread's stream
-                torch.cuda.current_stream(self._device).synchronize()
+            if self._copies:
+                for dst, src in self._copies:
+                    dst.copy_(src)
+                if self._device is not None:   # the copies ran on this thread's stream
+                    torch.cuda.current_stream(self._device).synchronize()
         except CommError as e:
             self._error = as_torch_error(e)
         except BaseException as e:  # delivered to whoever waits, and to the future
             self._error = e
-        self._copies = ()
-        with self._lock:
+        if self._copies:
+            self._copies = ()
+        lock = self._lock
+        with lock:
             future, self._finished = self._future, True   # a later get_future() resolves its own
-            self._completer = threading.get_ident()
+            if future is not None:   # its callbacks' own waits on this thread must not block
+                self._completer = threading.get_ident()
         if future is not None:
             self._resolve(future)
-        with self._lock:
+        with lock:
             self._completer, self._done, event = None, True, self._event
         if event is not None:
             event.set()
@@ -168,8 +175,8 @@ class TorchWork(dist.distributed_c10d.Work):
 
     def _host_wait(self, timeout=None) -> bool:
         if self._pending is not None and (pending := self._take()) is not None:
-            self._complete(pending[0], seconds(timeout))
-        if not self.is_completed() and self._completer != threading.get_ident():
+            self._complete(pending[0], seconds(timeout))   # on this thread: done when it returns
+        elif not self._done and self._completer != threading.get_ident():
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
             limit = seconds(timeout) or self._pg.timeout + 30
@@ -218,7 +225,7 @@ class TorchWork(dist.distributed_c10d.Work):
                                 else torch.futures.Future())
                 if self._finished:
                     self._resolve(self._future)
-            future, pending, self._pending = self._future, self._pending, None
+            future, pending = self._future, self._take()
         if pending is not None:   # its consumer may never call wait(): the thread completes it
             if self._pg._closed:   # the thread is gone; the operations ended with the group
                 self._complete(pending[0], None)
