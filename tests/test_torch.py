@@ -6,6 +6,7 @@ initialises a fresh default group on its own port and destroys it at the end.
 """
 import copy
 import datetime
+import threading
 import time
 
 import pytest
@@ -47,6 +48,21 @@ def _collectives(rank, size, port):
             time.sleep(0.01)
         assert fut.done(), "future did not complete without wait()"
         assert fut.value()[0] is t and t[0].item() == total
+
+        # one Work, three takers at once: wait() here, get_future() and is_completed() on other
+        # threads (whoever comes first completes it); each sees the one outcome, none hangs
+        for i in range(100):
+            t = torch.full((3,), r + i)
+            work, futures = dist.all_reduce(t, async_op=True), []
+            takers = [threading.Thread(target=lambda: futures.append(work.get_future())),
+                      threading.Thread(target=work.is_completed)]
+            for taker in takers:
+                taker.start()
+            work.wait()
+            for taker in takers:
+                taker.join(20)
+            assert t.tolist() == [total + n * i] * 3
+            assert futures[0].wait()[0] is t and work.is_success()
 
         # coalescing: the fast path (allreduce_coalesced) and the device-bracketed form
         a, b = torch.full((3,), r), torch.full((2, 2), r, dtype=torch.float64)
