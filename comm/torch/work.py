@@ -72,6 +72,9 @@ def seconds(timeout) -> float | None:
 
 
 # ---- Work --------------------------------------------------------------------------------------
+_work_init = dist.distributed_c10d.Work.__init__   # (not super(): its lookup is per Work made)
+
+
 class TorchWork(dist.distributed_c10d.Work):
     """torch's Work over one or more comm operations. Its future holds `result` (the output
     tensors DDP hooks read) and completes when they do, whether or not wait() is called."""
@@ -91,7 +94,7 @@ class TorchWork(dist.distributed_c10d.Work):
     _pending = None     # (comm works, Completer) not yet handed to the completion thread (_defer)
 
     def __init__(self, pg, op: str, result: list, copies=(), source: int = -1, *, device=None):
-        super().__init__()
+        _work_init(self)
         self._pg, self._op, self._result = pg, op, result
         self._lock = threading.Lock()
         if copies:
@@ -175,7 +178,7 @@ class TorchWork(dist.distributed_c10d.Work):
 
     def _host_wait(self, timeout=None) -> bool:
         if self._pending is not None and (pending := self._take()) is not None:
-            self._complete(pending[0], seconds(timeout))   # on this thread: done when it returns
+            self._complete(pending[0], None if timeout is None else seconds(timeout))   # done on return
         elif not self._done and self._completer != threading.get_ident():
             # torch passes 0 for "no timeout": the completion thread's own waits are bounded
             # by the communicator's timeout, so the slack only covers the hand-off.
@@ -247,7 +250,7 @@ class DoneWork(TorchWork):
     _lock = threading.Lock()   # shared: only get_future() takes it, briefly
 
     def __init__(self, pg, op: str, result: list):
-        dist.distributed_c10d.Work.__init__(self)
+        _work_init(self)
         self._pg, self._op, self._result = pg, op, result
 
     def wait(self, timeout=None) -> bool:
