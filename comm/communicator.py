@@ -53,6 +53,11 @@ def _integer(v) -> int:
     return operator.index(v)
 
 
+def _many(n: int, one: str, more: str) -> str:
+    """'1 entry', '3 entries': a count in an error message."""
+    return f"{n} {one if n == 1 else more}"
+
+
 class Communicator:
     """A group of ranks and the transport that connects them. Create with comm.init()."""
 
@@ -535,9 +540,10 @@ class Communicator:
         except TypeError:
             raise self._error(op, f"{what} splits {splits!r} must be integers") from None
         if len(splits) != self.size:
-            raise self._error(op, f"{what} splits have {len(splits)} entries for a group of {self.size}")
+            raise self._error(op, f"{what} splits have {_many(len(splits), 'entry', 'entries')}, one per rank of "
+                                  f"a group of {_many(self.size, 'rank', 'ranks')} expected")
         if any(s < 0 for s in splits):
-            raise self._error(op, f"{what} splits {splits} has a negative entry")
+            raise self._error(op, f"{what} splits {list(splits)} have a negative entry")
         if sum(splits) != rows:
             raise self._error(op, f"{what} splits sum to {sum(splits)} but it has {rows} rows")
         return tuple(s * row for s in splits)

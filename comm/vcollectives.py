@@ -21,13 +21,14 @@ def _transport_has(c, kind: OpKind) -> None:
 
 
 def _counts(c, name: str, counts) -> tuple[int, ...]:
-    from .communicator import _integer
+    from .communicator import _integer, _many
     try:  # integers of any kind (numpy's too); a float or bool is a bug, never a row count
         counts = tuple(map(_integer, counts))
     except TypeError:
         raise c._error(name, f"counts {counts!r} must be a sequence of integers") from None
     if len(counts) != c.size:
-        raise c._error(name, f"counts have {len(counts)} entries for a group of {c.size}")
+        raise c._error(name, f"counts have {_many(len(counts), 'entry', 'entries')}, one per rank of a group of "
+                             f"{_many(c.size, 'rank', 'ranks')} expected")
     if any(k < 0 for k in counts):
         raise c._error(name, f"counts {list(counts)} have a negative entry")
     return counts
