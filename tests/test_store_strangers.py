@@ -223,10 +223,28 @@ def test_connection_cap_answers_no_greeting():
 
 
 EMFILE_HOST = """
-import os, resource, sys, time
+import glob, os, resource, sys, time
 from comm.store import Store
 port = int(sys.argv[1])
 host = Store.host_or_connect("127.0.0.1", port, rank=0, size=3, timeout=60, secret=None)
+
+def accept_blocked():   # the store's accept thread is inside accept() (its wait channel)
+    for wchan in glob.glob("/proc/self/task/*/wchan"):
+        try:
+            if open(wchan).read().strip() == "inet_csk_accept":
+                return True
+        except OSError:
+            pass
+    return False
+
+# Exhausted before the thread enters accept(), no descriptor is held for the first connection
+# either (a loaded machine can start the thread that late): wait until it blocks there.
+deadline = time.monotonic() + 20
+while not accept_blocked() and time.monotonic() < deadline:
+    time.sleep(0.01)
+if not accept_blocked():
+    print("unseen", flush=True)
+    sys.exit(0)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
 fill = []
@@ -254,7 +272,10 @@ def test_accept_loop_survives_fd_exhaustion():
     child = subprocess.Popen([sys.executable, "-c", EMFILE_HOST, str(port)], env=env, text=True,
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        assert child.stdout.readline().startswith("exhausted 24"), child.stderr.read()
+        line = child.stdout.readline()
+        if line == "unseen\n":
+            pytest.skip("this kernel does not show a thread blocked in accept() (/proc/<pid>/task/*/wchan)")
+        assert line.startswith("exhausted 24"), child.stderr.read()
         # Linux reserves the descriptor of a blocked accept() when it starts: the first
         # connection gets that one, and only the next meets EMFILE
         first = Store("127.0.0.1", port, rank=1, size=3, timeout=30, secret=None)
