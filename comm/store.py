@@ -27,13 +27,16 @@ import time
 
 from . import auth, config, log, rendezvous
 from .agreement import Agreements
+from .gathers import Gathers, unpack_reply
 from .errors import (CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure,
                      from_os_error)
 
-_SET, _GET, _ADD, _JOIN, _AGREE = 1, 2, 3, 4, 5
+_SET, _GET, _ADD, _JOIN, _AGREE, _GATHER = 1, 2, 3, 4, 5, 6
 _OK, _TIMEOUT, _MISMATCH, _REFUSED, _EXCLUDED, _GONE = 0, 1, 2, 3, 4, 5
 _HDR = struct.Struct("!BIdI")        # op, key length, timeout (s), value length
 _REPLY = struct.Struct("!BI")        # status, reply length
+_GATHER_HDR = struct.Struct("!III")  # a gather's value: member, group size, watch list length
+MAX_GROUP = 1 << 20                   # members of one gather
 MAX_KEY = 4096
 MAX_VALUE = 1 << 20                   # bootstrap data is addresses and small metadata
 MAX_TOTAL = 64 << 20                  # all keys and values together
@@ -46,22 +49,24 @@ _FD_ERRORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 def _recv_frame(sock: socket.socket) -> tuple[int, str, float, bytes]:
     op, klen, timeout, vlen = _HDR.unpack(auth.recv_exact(sock, _HDR.size))
-    if op not in (_SET, _GET, _ADD, _JOIN, _AGREE) or klen > MAX_KEY or vlen > MAX_VALUE or not timeout >= 0:
+    if op not in (_SET, _GET, _ADD, _JOIN, _AGREE, _GATHER) or klen > MAX_KEY or vlen > MAX_VALUE or not timeout >= 0:
         raise ConnectionError("malformed store request")
     key = auth.recv_exact(sock, klen).decode("utf-8", "strict")
     return op, key, timeout, auth.recv_exact(sock, vlen)
 
 
-def _ranks(ranks) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    out, run = [], []
-    for r in sorted(ranks):
+def _ranks(ranks, most: int = 16) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'; past `most` runs, the first ones and how many in all."""
+    out, run, ranks = [], [], sorted(ranks)
+    for r in ranks:
         if run and r != run[-1] + 1:
             out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
             run = []
         run.append(r)
     if run:
         out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    if len(out) > most:
+        return ", ".join(out[:most]) + f", ... ({len(ranks)} in all)"
     return ", ".join(out)
 
 
@@ -83,7 +88,10 @@ class StoreServer:
         self._size, self._agree, self._where = size, agree, where
         self._data: dict[str, bytes] = {}
         self._total = 0
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._gathers = Gathers(self._lock, self._gather_verdict, self._gather_timed_out, _TIMEOUT, _OK,
+                                self._count_busy)
         self._closed = False
         self._failure: str | None = None        # a disagreement: the answer to every request
         self._joined: dict[int, str] = {}        # rank -> address it came from (ever joined)
@@ -138,11 +146,12 @@ class StoreServer:
     def _forget(self, sock: socket.socket, rank: int | None) -> None:
         with self._cond:
             self._socks.discard(sock)
+            self._gathers.forget(sock)
             if rank is None:
                 self._strangers -= 1
             else:
                 self._live.discard(rank)
-                self._cond.notify_all()   # agreements and watched waits learn it left
+                self._wake_all()   # agreements and watched waits learn it left
         sock.close()
 
     def _serve(self, sock: socket.socket, addr: str) -> None:
@@ -174,6 +183,11 @@ class StoreServer:
                 op, key, timeout, value = _recv_frame(sock)
                 if op == _JOIN:
                     return
+                if op == _GATHER:   # answered later, by the gathers' writer, unless refused now
+                    answer = self._gather(sock, key, min(timeout, self._timeout), value, rank)
+                    if answer is not None:
+                        self._reply(sock, *answer)
+                    continue
                 with self._answering():
                     status, reply = self._apply(op, key, timeout, value, rank)
                     self._reply(sock, status, reply)
@@ -287,7 +301,12 @@ class StoreServer:
     def _fail(self, error: str) -> None:
         """With the lock held: answer every waiting and later request with `error`."""
         self._failure = error
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        """With the lock held: every waiting request looks again at what it waits for."""
         self._cond.notify_all()
+        self._gathers.wake()
 
     def _note_refused(self, what: str) -> None:
         with self._cond:
@@ -330,12 +349,20 @@ class StoreServer:
         self._cond.notify_all()
         return _OK, b""
 
+    def _refusal(self, rank: int) -> tuple[int, bytes] | None:
+        """With the lock held: the answer to any request of `rank` while the job failed or
+        excluded it."""
+        if self._failure is not None:
+            return _MISMATCH, self._failure.encode()
+        if rank in self._agreements.excluded:
+            return _EXCLUDED, self._excluded_text(rank).encode()
+        return None
+
     def _apply(self, op: int, key: str, timeout: float, value: bytes, rank: int) -> tuple[int, bytes]:
         with self._cond:
-            if self._failure is not None:
-                return _MISMATCH, self._failure.encode()
-            if rank in self._agreements.excluded:
-                return _EXCLUDED, self._excluded_text(rank).encode()
+            refused = self._refusal(rank)
+            if refused is not None:
+                return refused
             if op == _AGREE:
                 return self._agreement(key, rank, value, min(timeout, self._timeout))
             if op == _SET:
@@ -361,6 +388,51 @@ class StoreServer:
             if self._closed:
                 why = "rank 0 closed the rendezvous store" + (f"; {why}" if why else "")
             return _TIMEOUT, why.encode()
+
+    def _gather(self, sock: socket.socket, key: str, timeout: float, value: bytes,
+                uid: int) -> tuple[int, bytes] | None:
+        """One member's value for gather `key` (comm.gathers); None: the reply comes later."""
+        try:
+            member, size, wlen = _GATHER_HDR.unpack_from(value)
+            watch = [int(r) for r in json.loads(value[_GATHER_HDR.size:_GATHER_HDR.size + wlen])] if wlen else []
+        except (struct.error, ValueError, TypeError):
+            raise ConnectionError("malformed gather") from None
+        if not 0 <= member < size <= MAX_GROUP:
+            raise ConnectionError("malformed gather")
+        payload = value[_GATHER_HDR.size + wlen:]
+        with self._cond:
+            refused = self._refusal(uid)
+            if refused is not None:
+                return refused
+            if self._total + self._gathers.total + len(payload) > MAX_TOTAL:
+                return _REFUSED, (f"the rendezvous store is full ({MAX_TOTAL >> 20} MiB); "
+                                  "bootstrap data should be small").encode()
+            error = self._gathers.contribute(sock, key, member, size, payload, watch, uid,
+                                             time.monotonic() + timeout)
+            return None if error is None else (_MISMATCH, error.encode())
+
+    def _gather_verdict(self, uid: int, watch: list[int]) -> tuple[int, bytes] | None:
+        """With the lock held: the answer to a gather's member whose wait ends early, if it does."""
+        refused = self._refusal(uid)
+        if refused is not None:
+            return refused
+        if self._closed:
+            return _TIMEOUT, b"rank 0 closed the rendezvous store"
+        gone = next((r for r in watch if self._gone(r)), None)
+        return None if gone is None else (_GONE, str(gone).encode())
+
+    def _gather_timed_out(self, key: str, missing: list[int], size: int) -> bytes:
+        """With the lock held: why a gather's member waited in vain."""
+        why = f"members {_ranks(missing)} of {size} of the group did not get there"
+        if len(self._joined) < self._size:
+            why += f"; {self._waiting()}"
+        return why.encode()
+
+    def _count_busy(self, n: int) -> None:
+        """With the lock held: n more (or fewer) replies owed."""
+        self._busy += n
+        if self._busy == 0:
+            self._cond.notify_all()
 
     def _agreement(self, key: str, uid: int, value: bytes, timeout: float) -> tuple[int, bytes]:
         """With the lock held: uid's contribution to agreement `key`, or its acknowledgement of
@@ -404,10 +476,11 @@ class StoreServer:
         with self._cond:
             self._cond.wait_for(lambda: len(self._told) >= self._size, linger)
             self._closed = True
-            self._cond.notify_all()
+            self._wake_all()
             # the waiters just woken owe their ranks an answer: let them send it before this
             # process (likely about to exit) takes their connections down
             self._cond.wait_for(lambda: self._busy == 0, 1.0)
+            self._gathers.stop()
             socks = list(self._socks)
         # ranks' connections stay: one may still be reading its last reply
         for s in [self._listener] + socks:
@@ -610,6 +683,23 @@ class Store(KeyValueStore):
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         return self._call(_GET, key, self._watch, timeout=timeout)
+
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        """One request and one reply, whatever the group's size (the host answers when every
+        member's value is there)."""
+        reply = self._call(_GATHER, key, _GATHER_HDR.pack(self.rank, self.size, len(self._watch))
+                           + self._watch + value)
+        try:
+            values = unpack_reply(reply)
+        except struct.error:
+            values = []
+        if len(values) != self.size:
+            raise CommError(f"the store's host answered gather {key!r} with {len(values)} values for a "
+                            f"group of {self.size}", rank=self.rank, op="bootstrap")
+        return values
+
+    def barrier(self, key: str) -> None:
+        self.all_gather(key, b"")
 
     def agree(self, key: str, msg: dict, timeout: float) -> dict:
         """Contribute to agreement `key` (comm.agreement) and return its decision."""

@@ -51,6 +51,16 @@ class TorchStore(KeyValueStore):
         except RuntimeError as e:  # DistStoreError and friends
             raise self._fail(key, e) from None
 
+    def all_gather(self, key: str, value: bytes) -> list[bytes]:
+        """Three round trips whatever the group's size: set, wait for every key, one multi_get."""
+        keys = [f"{key}/{r}" for r in range(self.size)]
+        self.set(keys[self.rank], value)
+        try:
+            self._store.wait(keys, datetime.timedelta(seconds=self.timeout))
+            return self._store.multi_get(keys)
+        except RuntimeError as e:
+            raise self._fail(key, e) from None
+
     def add(self, key: str, amount: int) -> int:
         return self._store.add(key, amount)
 

@@ -1,0 +1,208 @@
+"""The store's gather: one request and one reply per member (comm.gathers), over real sockets
+with a real StoreServer; the ranks are threads of this process, each with its own Store."""
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+
+from comm import auth
+from comm import store as store_mod
+from comm.errors import CommError, CommTimeout, Mismatch, PeerFailure
+from comm.store import Store
+
+
+def _host(size: int, timeout: float = 20.0):
+    """A listening store host and the port it serves on."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(256)
+    server = store_mod.StoreServer(listener, None, timeout, size=size, agree={}, where="test")
+    return server, listener.getsockname()[1]
+
+
+def _clients(port: int, size: int, n: int | None = None, timeout: float = 20.0) -> list[Store]:
+    """Ranks 0 .. n-1 (all `size` by default) of a group of `size`, joined."""
+    out: list = [None] * (size if n is None else n)
+
+    def one(r):
+        out[r] = Store("127.0.0.1", port, rank=r, size=size, timeout=timeout, secret=None)
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(len(out))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(out), "a client did not join"
+    return out
+
+
+def _each(stores, fn) -> list:
+    """fn(rank, store) on a thread per rank; its result or the exception it raised."""
+    results: list = [None] * len(stores)
+
+    def run(r):
+        try:
+            results[r] = fn(r, stores[r])
+        except BaseException as e:   # compared by the test
+            results[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(stores))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+class _Counting(Store):
+    requests = 0
+
+    def _call(self, *args, **kwargs):
+        self._root.requests += 1
+        return super()._call(*args, **kwargs)
+
+
+@pytest.fixture
+def host():
+    made = []
+
+    def make(size, timeout=20.0):
+        server, port = _host(size, timeout)
+        made.append(server)
+        return port
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_gather_in_rank_order_one_request_each(host):
+    size = 48
+    port = host(size)
+    stores = [_Counting("127.0.0.1", port, rank=r, size=size, timeout=20, secret=None) for r in range(size)]
+    for s in stores:
+        s.requests = 0
+    values = [bytes([r % 256]) * (r * 7 % 300) for r in range(size)]   # of every length, empty too
+    results = _each(stores, lambda r, s: s.all_gather("k", values[r]))
+    assert all(res == values for res in results)
+    assert [s.requests for s in stores] == [1] * size
+    # scoped views gather apart: same key, other groups (even ranks, odd ranks)
+    halves = _each(stores, lambda r, s: s.scoped(f"half{r % 2}", rank=r // 2, size=size // 2)
+                   .all_gather("k", str(r).encode()))
+    for r, res in enumerate(halves):
+        assert res == [str(q).encode() for q in range(r % 2, size, 2)]
+    # a barrier is a gather too, and the key of a finished gather can be used again
+    assert _each(stores, lambda r, s: s.barrier("b")) == [None] * size
+    assert _each(stores, lambda r, s: s.all_gather("k", b"again")) == [[b"again"] * size] * size
+    for s in stores:
+        s.close()
+
+
+def test_timeout_names_the_missing(host):
+    port = host(4)
+    stores = _clients(port, 4)
+
+    def gather(r, s):
+        return s.all_gather("k", b"v") if r != 2 else None
+
+    for s in stores:
+        s.timeout = 1.0
+    results = _each(stores, gather)
+    for r in (0, 1, 3):
+        assert isinstance(results[r], CommTimeout), results[r]
+        assert "members 2 of 4" in str(results[r]) and f"rank {r}" in str(results[r])
+    for s in stores:
+        s.close()
+
+
+def test_watched_member_leaving_ends_the_wait(host):
+    port = host(3)
+    stores = _clients(port, 3)
+    views = [s.scoped("g", watch=[0, 1, 2]) for s in stores]
+    threading.Timer(0.5, stores[2].close).start()   # rank 2 leaves without contributing
+    started = time.monotonic()
+    results = _each(views[:2], lambda r, s: s.all_gather("k", b"v"))
+    assert time.monotonic() - started < 10   # not the 20 s timeout
+    for res in results:
+        assert isinstance(res, PeerFailure) and res.peer == 2, res
+    for s in stores[:2]:
+        s.close()
+
+
+def test_disagreements_are_errors(host):
+    port = host(3)
+    stores = _clients(port, 3)
+    for s in stores:
+        s.timeout = 2.0
+    # rank 2 believes it is member 1 of 2: whoever comes second learns of the disagreement
+    results = _each(stores, lambda r, s: s.scoped("g", rank=1 if r == 2 else r, size=2 if r == 2 else 3)
+                    .all_gather("k", b"v") if r != 1 else None)
+    assert any(isinstance(res, Mismatch) and "disagree on the size" in str(res) for res in results), results
+    for s in stores:
+        s.close()
+
+
+def test_two_processes_claiming_one_member(host):
+    port = host(3)
+    stores = _clients(port, 3)
+    for s in stores:
+        s.timeout = 2.0
+    # ranks 1 and 2 both say they are member 1 of the gather
+    results = _each(stores, lambda r, s: s.scoped("g", rank=min(r, 1)).all_gather("k", b"v"))
+    assert sum(isinstance(res, Mismatch) and "two processes gave member 1" in str(res) for res in results) == 1
+    for s in stores:
+        s.close()
+
+
+def test_a_member_that_does_not_read_holds_up_nobody(host):
+    """Replies of several MiB: a member that stops reading fills its socket; the others still get
+    theirs (the writer never blocks on one member)."""
+    size = 8
+    port = host(size)
+    stores = _clients(port, size, size - 1)   # ranks 0-6; rank 7 is a raw connection that never reads
+    raw = socket.create_connection(("127.0.0.1", port))
+    auth.client_handshake(raw, None, 5)
+    body = json.dumps({"rank": size - 1, "size": size, "agree": {}}).encode()
+    raw.sendall(store_mod._HDR.pack(store_mod._JOIN, 0, 5.0, len(body)) + body)
+    assert struct.unpack("!BI", auth.recv_exact(raw, 5))[0] == 0
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    big = b"z" * (1000 << 10)   # an 8 MB reply: more than the kernel buffers for one connection
+    value = struct.pack("!III", size - 1, size, 0) + big
+    raw.sendall(store_mod._HDR.pack(store_mod._GATHER, 1, 20.0, len(value)) + b"k" + value)
+    results = _each(stores, lambda r, s: s.all_gather("k", big))
+    assert all(res == [big] * size for res in results), [type(r) for r in results]
+    raw.close()
+    for s in stores:
+        s.close()
+
+
+def test_malformed_gather_drops_only_that_connection(host):
+    port = host(2)
+    stores = _clients(port, 2, 1)
+    raw = socket.create_connection(("127.0.0.1", port))
+    auth.client_handshake(raw, None, 5)
+    body = json.dumps({"rank": 1, "size": 2, "agree": {}}).encode()
+    raw.sendall(store_mod._HDR.pack(store_mod._JOIN, 0, 5.0, len(body)) + body)
+    auth.recv_exact(raw, 5)
+    bad = struct.pack("!III", 5, 2, 0)   # member 5 of a group of 2
+    raw.sendall(store_mod._HDR.pack(store_mod._GATHER, 1, 5.0, len(bad)) + b"k" + bad)
+    assert raw.recv(16) == b""   # dropped
+    stores[0].set("still", b"here")
+    assert stores[0].get("still") == b"here"
+    stores[0].close()
+
+
+def test_host_closing_answers_the_waiting(host):
+    server, port = _host(2)
+    stores = _clients(port, 2)
+    threading.Timer(0.5, server.close).start()
+    started = time.monotonic()
+    res = _each(stores[:1], lambda r, s: s.all_gather("k", b"v"))[0]
+    assert isinstance(res, CommError) and time.monotonic() - started < 10, res
+    for s in stores:
+        s.close()
