@@ -4,9 +4,10 @@ Real ranks (N per host) on H simulated hosts (bench/cluster.py: network namespac
 each transport in turn in the same cluster: how long the job takes to start (init: from the
 first rank's launch to the last rank ready), the first all_reduce (1 MiB) and the first
 all_to_all (both checked, started together once every rank is ready), the steady all_reduce
-of 1 MiB, and per rank the descriptors and RSS after every collective kind ran (all_reduce,
-reduce_scatter, all_gather, broadcast, reduce, all_to_all, barrier, a send/recv ring; each
-checked). Several shapes (`--shapes 2x8,8x8`) add how each number grows from one to the next.
+of 1 MiB, and per rank the descriptors, RSS and anonymous RSS (RSS less the files and the
+shared memory mapped, which RSS counts in every rank of a host) after every collective kind ran
+(all_reduce, reduce_scatter, all_gather, broadcast, reduce, all_to_all, barrier, a send/recv
+ring; each checked). Several shapes (`--shapes 2x8,8x8`) add how each number grows from one to the next.
 
     python -m bench.scale --shapes 2x8,8x8 --transport native,gloo --json scale.json
     python -m bench.scale --model                  # the cost model (bench/scale_model.py)
@@ -34,11 +35,11 @@ from comm import rendezvous
 from .launch import _child_env
 
 TRANSPORTS = ("native", "gloo")
-METRICS = [  # key, column head, scale, format
-    ("start_s", "start s", 1, "{:.1f}"), ("init_s", "init s", 1, "{:.1f}"),
-    ("first_all_reduce_ms", "1st ar ms", 1, "{:.1f}"), ("first_all_to_all_ms", "1st a2a ms", 1, "{:.1f}"),
-    ("all_reduce_1mib_ms", "ar 1M ms", 1, "{:.1f}"), ("fds_init", "fds init", 1, "{:d}"),
-    ("fds", "fds", 1, "{:d}"), ("rss_mib", "rss MiB", 1, "{:.0f}")]
+METRICS = [  # key, column head, format
+    ("start_s", "start s", "{:.1f}"), ("init_s", "init s", "{:.1f}"),
+    ("first_all_reduce_ms", "1st ar ms", "{:.1f}"), ("first_all_to_all_ms", "1st a2a ms", "{:.1f}"),
+    ("all_reduce_1mib_ms", "ar 1M ms", "{:.1f}"), ("fds_init", "fds init", "{:d}"),
+    ("fds", "fds", "{:d}"), ("rss_mib", "rss MiB", "{:.0f}"), ("anon_mib", "anon MiB", "{:.0f}")]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -162,7 +163,8 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
     if why is not None:
         return row
     worst = {k: max(r[k] for r in results) for k in ("start_s", "ready_s", "fds_base", "fds_init", "fds",
-                                                      "rss_mib", "rss_base_mib", "first_all_reduce_s",
+                                                      "rss_mib", "rss_base_mib", "anon_mib", "anon_base_mib",
+                                                      "first_all_reduce_s",
                                                       "first_all_to_all_s", "all_reduce_1mib_s")}
     kinds: dict[str, int] = {}
     for r in results:
@@ -175,6 +177,7 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
                all_reduce_1mib_ms=worst["all_reduce_1mib_s"] * 1e3,
                fds_base=worst["fds_base"], fds_init=worst["fds_init"], fds=worst["fds"],
                rss_mib=worst["rss_mib"], rss_base_mib=worst["rss_base_mib"],
+               anon_mib=worst["anon_mib"], anon_base_mib=worst["anon_base_mib"],
                wrong=sum(kinds.values()), wrong_by_kind=kinds, checked=sorted(kinds))
     if any("sweep" in r for r in results):
         row["sweep"] = merge_sweeps([r["sweep"] for r in results if "sweep" in r])
@@ -221,7 +224,7 @@ def table(rows: list[dict]) -> str:
         if row["status"] == "failed":
             lines.append(cells + [f"FAILED: {row['reason']}"])
             continue
-        cells += [_cell(row, k, f) for k, _, _, f in METRICS]
+        cells += [_cell(row, k, f) for k, _, f in METRICS]
         cells.append("ok" if row["wrong"] == 0 else f"{row['wrong']} wrong ({row['wrong_by_kind']})")
         lines.append(cells)
     return _render(head, lines)
@@ -248,10 +251,10 @@ def growth(rows: list[dict]) -> str:
         for a, b in zip(mine, mine[1:]):
             cells = [transport, f"{a['hosts']}x{a['per_host']}", f"{b['hosts']}x{b['per_host']}",
                      f"x{b['ranks'] / a['ranks']:.2g}"]
-            for key, _, _, fmt in METRICS:
+            for key, _, fmt in METRICS:
                 if key not in a or key not in b:
                     cells.append("-")
-                elif key in ("fds", "fds_init", "rss_mib"):
+                elif key in ("fds", "fds_init", "rss_mib", "anon_mib"):
                     cells.append(f"{b[key] - a[key]:+.0f}")
                 else:
                     cells.append(f"x{b[key] / a[key]:.2f}" if a[key] else "-")

@@ -202,24 +202,27 @@ print(small, (time.perf_counter() - t) / big)
 """
 
 
-def measure_store(clients: int = 8, reps: int = 300, big_reps: int = 20) -> tuple[float, float]:
+def measure_store(clients: int = 8, reps: int = 300, big_reps: int = 20, tries: int = 3) -> tuple[float, float]:
     """c_req (throughput of the store's host under `clients` concurrent clients) and
-    beta_store (a 1 MiB value's reply time per byte), on loopback."""
+    beta_store (a 1 MiB value's reply time per byte), on loopback: the best of `tries`."""
     from comm import rendezvous
     from comm.store import Store
-    port = rendezvous.free_port()
-    host = Store.host_or_connect("127.0.0.1", port, rank=0, size=clients + 1, timeout=60, secret=None)
-    try:
-        host.set("small", b"x" * 64)
-        host.set("big", b"x" * (1 << 20))
-        out = subprocess.run([sys.executable, "-c", _CLIENTS, str(port), str(clients), str(reps), str(big_reps)],
-                             capture_output=True, text=True, timeout=120)
-        if out.returncode != 0:
-            raise RuntimeError(f"store clients failed: {out.stderr.strip().splitlines()[-1:]}")
-        c_req, big = (float(v) for v in out.stdout.split())
-    finally:
-        host.close()
-    return c_req, max(0.0, big - c_req) / (1 << 20)
+    best = (math.inf, math.inf)
+    for _ in range(tries):
+        port = rendezvous.free_port()
+        host = Store.host_or_connect("127.0.0.1", port, rank=0, size=clients + 1, timeout=60, secret=None)
+        try:
+            host.set("small", b"x" * 64)
+            host.set("big", b"x" * (1 << 20))
+            out = subprocess.run([sys.executable, "-c", _CLIENTS, str(port), str(clients), str(reps), str(big_reps)],
+                                 capture_output=True, text=True, timeout=120)
+            if out.returncode != 0:
+                raise RuntimeError(f"store clients failed: {out.stderr.strip().splitlines()[-1:]}")
+            c_req, big = (float(v) for v in out.stdout.split())
+        finally:
+            host.close()
+        best = (min(best[0], c_req), min(best[1], max(0.0, big - c_req) / (1 << 20)))
+    return best
 
 
 def fit_from(rows: list[dict], store: tuple[float, float]) -> Fit:
@@ -271,7 +274,11 @@ def fit_table(f: Fit, rows: list[dict]) -> str:
 
 
 def check_table(model: Model, rows: list[dict]) -> list[list[str]]:
-    """Measured collectives next to the model of the algorithm the engine ran."""
+    """Measured collectives next to the model of the algorithm the engine ran, with the ranks
+    per core of this machine (beyond one, ranks wait for the CPU, which the model does not
+    count)."""
+    import os
+    cores = len(os.sched_getaffinity(0))
     lines = []
     for r in rows:
         h, l = r["hosts"], r["per_host"]
@@ -286,7 +293,8 @@ def check_table(model: Model, rows: list[dict]) -> list[list[str]]:
         for kind, size, t in points:
             algo = engine_choice(kind, h, l, size)
             want = (model.all_reduce if kind == "all_reduce" else model.all_to_all)(h, l, size)[algo]
-            lines.append([f"{h}x{l}", str(h * l), kind, _size(size), algo, _t(t), _t(want), f"{t / want:.2f}"])
+            lines.append([f"{h}x{l}", str(h * l), f"{h * l / cores:.3g}", kind, _size(size), algo, _t(t), _t(want),
+                          f"{t / want:.2f}"])
     return lines
 
 
@@ -313,7 +321,7 @@ def report(f: Fit, rows: list[dict]) -> str:
            "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)", fit_table(f, rows),
            "# model vs measured: the algorithm the engine runs (select.cc), slowest rank's time"]
     checks = check_table(model, rows)
-    out.append(_table(["shape", "ranks", "op", "size", "algorithm", "measured", "model", "meas/model"], checks)
+    out.append(_table(["shape", "ranks", "per core", "op", "size", "algorithm", "measured", "model", "meas/model"], checks)
                if checks else "(no measured run across hosts)")
     ar, a2a = extrapolation(model)
     out += ["# extrapolated: all_reduce (m: the buffer)",

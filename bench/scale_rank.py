@@ -56,9 +56,11 @@ def descriptors() -> int:
     return len(os.listdir("/proc/self/fd")) - 1    # less the listing's own
 
 
-def rss_mib() -> float:
+def rss_mib(field: str = "VmRSS") -> float:
+    """VmRSS counts the shared-memory pages this rank touched (shared with its host's ranks);
+    RssAnon is its own memory alone."""
     with open("/proc/self/status") as f:
-        kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        kib = next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
     return kib / 1024
 
 
@@ -255,11 +257,12 @@ def sweep(t, per_host: int) -> dict:
 
 
 def main() -> None:
-    fds_base, rss_base = descriptors(), rss_mib()
+    fds_base, rss_base, anon_base = descriptors(), rss_mib(), rss_mib("RssAnon")
     t = Gloo() if TRANSPORT == "gloo" else Native()
     ready = time.monotonic()
     result = {"rank": t.rank, "start_s": started - T0, "ready_s": ready - T0,
-              "fds_base": fds_base, "fds_init": descriptors(), "rss_base_mib": rss_base}
+              "fds_base": fds_base, "fds_init": descriptors(), "rss_base_mib": rss_base,
+              "anon_base_mib": anon_base}
     mark = os.path.join(OUTDIR, f"{t.rank}.ready")
     with open(mark + ".tmp", "w") as f:
         f.write(str(ready - T0))
@@ -278,7 +281,7 @@ def main() -> None:
     t.barrier()
     result["all_reduce_1mib_s"] = sum(timed(t.all_reduce, x) for _ in range(ITERS)) / ITERS
     result["wrong"].update(every_kind(t))
-    result["fds"], result["rss_mib"] = descriptors(), rss_mib()
+    result["fds"], result["rss_mib"], result["anon_mib"] = descriptors(), rss_mib(), rss_mib("RssAnon")
     if SWEEP:
         result["sweep"] = sweep(t, int(os.environ["LOCAL_WORLD_SIZE"]))
     t.barrier()   # nobody leaves while a peer may still need it

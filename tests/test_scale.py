@@ -18,7 +18,7 @@ from reference import HAVE_TORCH
 PY = sys.executable
 NO_CLUSTER = unavailable()
 COLUMNS = ["shape", "ranks", "transport", "start", "s", "init", "s", "1st", "ar", "ms", "1st", "a2a", "ms",
-           "ar", "1M", "ms", "fds", "init", "fds", "rss", "MiB", "checked"]
+           "ar", "1M", "ms", "fds", "init", "fds", "rss", "MiB", "anon", "MiB", "checked"]
 
 
 def _scale(args, timeout=240):
@@ -53,13 +53,26 @@ def test_two_hosts_of_two_ranks(tmp_path):
         assert r["status"] == "ok" and r["wrong"] == 0
         assert r["checked"] == sorted(["all_reduce", "all_to_all", "reduce_scatter", "all_gather", "broadcast",
                                        "reduce", "barrier", "send_recv"])
-        assert 0 < r["start_s"] <= r["init_s"] and r["fds"] >= r["fds_base"] > 0 and r["rss_mib"] > 10
+        assert 0 < r["start_s"] <= r["init_s"] and r["fds"] >= r["fds_base"] > 0 and r["rss_mib"] >= r["anon_mib"] > 10
 
 
 @pytest.mark.skipif(NO_CLUSTER is not None, reason=f"{NO_CLUSTER}")
 def test_a_run_past_its_budget_is_reported_not_waited_for():
     rc, out, err = _scale(["--hosts", "2", "--np", "1", "--transport", "native", "--time-budget", "0.5"], timeout=60)
     assert rc == 1 and "did not finish in 0.5 s" in out, out + err
+
+
+@pytest.mark.skipif(NO_CLUSTER is not None, reason=f"{NO_CLUSTER}")
+def test_model_is_fitted_to_a_real_run_and_reports_every_table():
+    rc, out, err = _scale(["--model", "--shapes", "2x2"])
+    assert rc == 0, out + err
+    fitted = out[out.index("# the fitted points"):out.index("# model vs measured")].splitlines()[2:]
+    ratios = sorted(float(line.split()[-1]) for line in fitted)
+    assert len(ratios) == 10 and 0.5 < ratios[len(ratios) // 2] < 2, out   # least squares: the median near 1
+    checks = out[out.index("# model vs measured"):out.index("# extrapolated: all_reduce")].splitlines()[2:]
+    assert {line.split()[3] for line in checks} == {"all_reduce", "all_to_all"}, out
+    for head in ("# extrapolated: all_to_all", "# extrapolated: bootstrap", "the ring overtakes rd"):
+        assert head in out
 
 
 def test_fit_reproduces_its_points():
