@@ -264,20 +264,32 @@ def growth(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.model:
-        from . import scale_model
-        return scale_model.main(args)
-    from .cluster import unavailable
-    why = unavailable()
-    if why:
-        print(f"bench.scale: {why}", file=sys.stderr)
-        return 2
 
     def stop(signum, frame):   # unwind, so every namespace and rank goes
         raise SystemExit(128 + signum)
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, stop)
+    # Ctrl-C unwinds too, even where a shell started us with SIGINT ignored (a background job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _model(args) if args.model else _runs(args)
+    except KeyboardInterrupt:   # the ranks and namespaces are gone by now (run_shape unwound)
+        print("bench.scale: interrupted", file=sys.stderr)
+        return 130
+
+
+def _model(args) -> int:
+    from . import scale_model
+    return scale_model.main(args)
+
+
+def _runs(args) -> int:
+    from .cluster import unavailable
+    why = unavailable()
+    if why:
+        print(f"bench.scale: {why}", file=sys.stderr)
+        return 2
     if "gloo" in args.transports and importlib.util.find_spec("torch") is None:
         print("# gloo: skipped: torch is not installed (pip install torch)")
         args.transports.remove("gloo")
