@@ -19,6 +19,7 @@ Namespaces and ranks are removed on every exit (an error, Ctrl-C, SIGTERM).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -81,6 +82,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         a.shapes = parse_shapes(f"{a.hosts}x{a.np}")
     if not a.shapes and not a.model:
         p.error("give --hosts H --np N, --shapes, or --model")
+    if a.model and a.shapes and not any(h > 1 and n > 1 for h, n in a.shapes):
+        p.error("--model is fitted to a shape of two hosts or more with two ranks or more on each (e.g. 2x2)")
     if a.time_budget <= 0 or a.iters < 1:
         p.error("--time-budget and --iters must be positive")
     return a
@@ -101,10 +104,14 @@ class Job:
         self.t0 = time.monotonic()
         cmd = [sys.executable, "-m", "bench.scale_rank", self.dir, transport, repr(self.t0), str(iters)]
         cmd += ["--sweep"] if sweep else []
-        for r, (h, e) in enumerate(zip(hosts, cluster.rank_env(hosts, port))):
-            with open(os.path.join(self.dir, f"{r}.err"), "w") as err:
-                self.procs.append(subprocess.Popen(cluster.exec_prefix(h) + cmd, env=dict(env, **e),
-                                                   stdout=err, stderr=subprocess.STDOUT, start_new_session=True))
+        try:
+            for r, (h, e) in enumerate(zip(hosts, cluster.rank_env(hosts, port))):
+                with open(os.path.join(self.dir, f"{r}.err"), "w") as err:
+                    self.procs.append(subprocess.Popen(cluster.exec_prefix(h) + cmd, env=dict(env, **e),
+                                                       stdout=err, stderr=subprocess.STDOUT, start_new_session=True))
+        except BaseException:   # interrupted while launching: the ranks started so far go too
+            self.close()
+            raise
 
     def _count(self, suffix: str) -> int:
         return sum(1 for f in os.listdir(self.dir) if f.endswith(suffix))
@@ -145,6 +152,10 @@ class Job:
         return lines[-1] if lines else f"exit status {self.procs[rank].returncode}"
 
     def close(self) -> None:
+        with signals_held():
+            self._close()
+
+    def _close(self) -> None:
         for p in self.procs:
             if p.poll() is None:
                 try:
@@ -154,6 +165,17 @@ class Job:
         for p in self.procs:
             p.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_held():
+    """Clean-up runs to its end: a second Ctrl-C (or a SIGTERM after it) waits until it is done."""
+    sigs = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def summarize(results: list[dict], hosts: int, per_host: int, transport: str, why: str | None) -> dict:
@@ -200,7 +222,8 @@ def merge_sweeps(sweeps: list[dict]) -> dict:
 def run_shape(hosts: int, per_host: int, transports: list[str], args, sweep: bool = False) -> list[dict]:
     from .cluster import NetnsCluster
     rows = []
-    with NetnsCluster(hosts, args.link_rate) as cluster:
+    cluster = NetnsCluster(hosts, args.link_rate)
+    try:
         for i, transport in enumerate(transports):
             print(f"# {hosts}x{per_host} {transport}: running ...", file=sys.stderr, flush=True)
             job = Job(cluster, per_host, transport, rendezvous.DEFAULT_PORT + i, args.iters, args.time_budget, sweep)
@@ -209,6 +232,9 @@ def run_shape(hosts: int, per_host: int, transports: list[str], args, sweep: boo
             finally:
                 job.close()
             rows.append(summarize(results, hosts, per_host, transport, why))
+    finally:
+        with signals_held():
+            cluster.close()
     return rows
 
 

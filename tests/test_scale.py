@@ -31,7 +31,8 @@ def _scale(args, timeout=240):
 
 
 @pytest.mark.parametrize("bad", [["--hosts", "2"], ["--shapes", "2by8"], ["--hosts", "2", "--np", "2", "--transport", "nccl"],
-                                 ["--hosts", "2", "--np", "2", "--shapes", "2x2"], []])
+                                 ["--hosts", "2", "--np", "2", "--shapes", "2x2"], [],
+                                 ["--model", "--shapes", "2x1,1x4"]])
 def test_usage_mistakes(bad):
     with pytest.raises(SystemExit):
         scale.parse_args(bad)
