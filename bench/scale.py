@@ -167,6 +167,25 @@ class Job:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+# What a rank costs the machine, in MiB, as measured at 2x8 and 8x8: its own memory (RssAnon:
+# native 21, gloo 149, and page tables) and, for native, its share of its host's
+# shared memory: a 2 MiB collective ring and a 128 KiB p2p ring per pair of local ranks.
+RANK_MIB = {"native": (30, 2.2), "gloo": (160, 0)}   # fixed, per local rank
+
+
+def memory_short(hosts: int, per_host: int, transport: str) -> str | None:
+    """Why this machine cannot hold the ranks, or None: a run that would push it into swap or
+    the OOM killer (of everything else it runs too) is refused before it starts."""
+    with open("/proc/meminfo") as f:
+        avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
+    fixed, per_local = RANK_MIB[transport]
+    need = hosts * per_host * (fixed + per_local * per_host)
+    if need > 0.8 * avail:
+        return (f"not started: {hosts * per_host} ranks need about {need / 1024:.1f} GiB, "
+                f"{avail / 1024:.1f} GiB available")
+    return None
+
+
 @contextlib.contextmanager
 def signals_held():
     """Clean-up runs to its end: a second Ctrl-C (or a SIGTERM after it) waits until it is done."""
@@ -225,6 +244,10 @@ def run_shape(hosts: int, per_host: int, transports: list[str], args, sweep: boo
     cluster = NetnsCluster(hosts, args.link_rate)
     try:
         for i, transport in enumerate(transports):
+            short = memory_short(hosts, per_host, transport)
+            if short:
+                rows.append(summarize([], hosts, per_host, transport, short))
+                continue
             print(f"# {hosts}x{per_host} {transport}: running ...", file=sys.stderr, flush=True)
             job = Job(cluster, per_host, transport, rendezvous.DEFAULT_PORT + i, args.iters, args.time_budget, sweep)
             try:
