@@ -7,9 +7,10 @@ one host that send across at once share its link: a step costs alpha_net plus th
 leave the host times beta_net. The rendezvous store serves one request in c_req and sends
 its replies at beta_store per byte (its host's link at most: beta_net).
 
-Fitted from real runs (bench/scale_rank.py --sweep), 8 B - 1 MiB, the best of 30 each: a p2p
-ping-pong between two ranks of one host, an all_reduce between two ranks of two hosts (one
-exchange up to 64 KiB, two halves above), by least squares on relative error; a real
+Fitted from real runs (bench/scale_rank.py --sweep), the best of 30 each: a p2p ping-pong
+between two ranks of one host (8 B - 1 MiB), an all_reduce between two ranks of two hosts (8 B -
+16 MiB; one exchange up to 64 KiB, two halves above); beta the slope between the two largest
+sizes, alpha from those up to 1 KiB (fit_robust); a real
 comm.store.Store on loopback, hammered by clients in another process, gives c_req and
 beta_store. Checked: all_reduce and all_to_all at several sizes on the shapes that ran, model
 next to measurement (the ratio says how far to trust the extrapolation; on a machine of few
@@ -77,6 +78,22 @@ def fit_line(sizes, times, steps=None) -> tuple[float, float]:
     if alpha < 0 or beta < 0:   # one of them does not show at these sizes: fit the other alone
         alpha, beta = (0.0, float(np.median(t / s))) if alpha < 0 else (float(np.median(t)), 0.0)
     return float(alpha), float(beta)
+
+
+def fit_robust(sizes, times, steps=None) -> tuple[float, float, list[bool]]:
+    """beta from the two largest sizes (the slope between them: past a rate-limited link's
+    bucket, which the sizes below it cross for free), alpha the least time of the sizes up to
+    1 KiB (latency-bound; waiting for the CPU only adds); and which points the
+    line passes within 3x of (on a shared machine one size can catch a descheduled rank in
+    every sample)."""
+    k = [1] * len(sizes) if steps is None else list(steps)
+    order = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    hi, mid = order[-1], order[-2]   # both take as many steps (above RD_MAX for the pair)
+    beta = max(0.0, (times[hi] - times[mid]) / (sizes[hi] - sizes[mid]))
+    small = [t / n for s, t, n in zip(sizes, times, k) if s <= 1 << 10]   # latency-bound sizes
+    alpha = max(0.0, min(small, default=0.0) - min(sizes) * beta)
+    kept = [1 / 3 < t / (n * alpha + s * beta) < 3 for s, t, n in zip(sizes, times, k)]
+    return alpha, beta, kept
 
 
 def _log2(n: int) -> int:
@@ -225,16 +242,20 @@ def measure_store(clients: int = 8, reps: int = 300, big_reps: int = 20, tries: 
     return best
 
 
-def fit_from(rows: list[dict], store: tuple[float, float]) -> Fit:
+def fit_from(rows: list[dict], store: tuple[float, float]) -> tuple[Fit, dict]:
+    """The fit, and which sizes each line left out as outliers."""
     sweeps = [r["sweep"] for r in rows if "sweep" in r]
     local = next((s["pingpong_local"] for s in sweeps if s["pingpong_local"]), None)
     remote = next((s["pingpong_remote"] for s in sweeps if s["pingpong_remote"]), None)
     if not local or not remote:
         raise RuntimeError("the fit needs a run with two hosts and two ranks on a host (e.g. 2x2)")
-    a_s, b_s = fit_line([int(k) for k in local], list(local.values()))
+    sizes = [int(k) for k in local]
+    a_s, b_s, kept_s = fit_robust(sizes, list(local.values()))
+    dropped = {"pingpong_local": {m for m, ok in zip(sizes, kept_s) if not ok}}
     sizes = [int(k) for k in remote]   # two ranks: one exchange up to RD_MAX, two halves above
-    a_n, b_n = fit_line(sizes, list(remote.values()), [1 if m <= RD_MAX else 2 for m in sizes])
-    return Fit(a_n, b_n, a_s, b_s, *store)
+    a_n, b_n, kept_n = fit_robust(sizes, list(remote.values()), [1 if m <= RD_MAX else 2 for m in sizes])
+    dropped["pingpong_remote"] = {m for m, ok in zip(sizes, kept_n) if not ok}
+    return Fit(a_n, b_n, a_s, b_s, *store), dropped
 
 
 # ---- printing ------------------------------------------------------------------------------
@@ -257,7 +278,7 @@ def _table(head: list[str], lines: list[list[str]]) -> str:
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(ln, width)) for ln in [head, *lines])
 
 
-def fit_table(f: Fit, rows: list[dict]) -> str:
+def fit_table(f: Fit, rows: list[dict], dropped: dict) -> str:
     lines = []
     for r in rows:
         s = r.get("sweep")
@@ -268,9 +289,11 @@ def fit_table(f: Fit, rows: list[dict]) -> str:
             for size, t in s[key].items():
                 steps = 1 if key == "pingpong_local" or int(size) <= RD_MAX else 2
                 model = steps * a + int(size) * b
-                lines.append([f"{r['hosts']}x{r['per_host']}", what, _size(int(size)), _t(t), _t(model), f"{t / model:.2f}"])
+                used = "outlier" if int(size) in dropped.get(key, ()) else "yes"
+                lines.append([f"{r['hosts']}x{r['per_host']}", what, _size(int(size)), used, _t(t), _t(model),
+                              f"{t / model:.2f}"])
         break
-    return _table(["shape", "fitted to", "size", "measured", "model", "meas/model"], lines)
+    return _table(["shape", "fitted to", "size", "used", "measured", "model", "meas/model"], lines)
 
 
 def check_table(model: Model, rows: list[dict]) -> list[list[str]]:
@@ -312,13 +335,13 @@ def extrapolation(model: Model) -> tuple[list[list[str]], list[list[str]]]:
     return ar, a2a
 
 
-def report(f: Fit, rows: list[dict]) -> str:
+def report(f: Fit, rows: list[dict], dropped: dict) -> str:
     model = Model(f)
     out = [f"# fitted on this machine: between hosts alpha {f.alpha_net * 1e6:.1f} us, "
            f"{1 / f.beta_net / 1e9 if f.beta_net else float('inf'):.3g} GB/s; inside a host alpha "
            f"{f.alpha_shm * 1e6:.1f} us, {1 / f.beta_shm / 1e9 if f.beta_shm else float('inf'):.3g} GB/s; "
            f"store {f.c_req * 1e6:.0f} us/request, replies {1 / f.beta_store / 1e9 if f.beta_store else float('inf'):.3g} GB/s",
-           "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)", fit_table(f, rows),
+           "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)", fit_table(f, rows, dropped),
            "# model vs measured: the algorithm the engine runs (select.cc), slowest rank's time"]
     checks = check_table(model, rows)
     out.append(_table(["shape", "ranks", "per core", "op", "size", "algorithm", "measured", "model", "meas/model"], checks)
@@ -365,10 +388,10 @@ def main(args) -> int:
     for r in failed:
         print(f"# {r['hosts']}x{r['per_host']}: {r['reason'] or 'wrong results'}", file=sys.stderr)
     t = time.perf_counter()
-    fit = fit_from([r for r in rows if r["status"] == "ok"], measure_store())
+    fit, dropped = fit_from([r for r in rows if r["status"] == "ok"], measure_store())
     print(f"# bench.scale --model: link {args.link_rate or 'unlimited'}; fit and checks took "
           f"{time.perf_counter() - t:.1f} s beyond the runs")
-    print(report(fit, rows + measured))
+    print(report(fit, rows + measured, dropped))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"schema": "comm-bench-scale-model/1", "link_rate": args.link_rate, "fit": asdict(fit),

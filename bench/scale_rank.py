@@ -194,14 +194,15 @@ def pingpong(t, peer: int) -> dict:
 
 
 def exchange_pair(c) -> dict:
-    """all_reduce on a communicator of two ranks on two hosts, per size: the best of 30. Up to
-    64 KiB it is one exchange of the buffer (recursive doubling), above two of half of it (the
-    ring): what the algorithms' steps across hosts cost. (A p2p ping-pong there also measures
-    the wake-ups of the p2p driver thread, which on a loaded machine take milliseconds.)"""
+    """all_reduce on a communicator of two ranks on two hosts, per size: the best of 30 (of 10
+    from 4 MiB, sizes that show a rate-limited link's rate past its bucket). Up to 64 KiB it is
+    one exchange of the buffer (recursive doubling), above two of half of it (the ring): what
+    the algorithms' steps across hosts cost. (A p2p ping-pong there also measures the wake-ups
+    of the p2p driver thread, which on a loaded machine take milliseconds.)"""
     times = {}
-    for size in PINGPONG:
+    for size in PINGPONG + [4 << 20, 16 << 20]:
         x = np.ones(max(1, size // 4), dtype=np.float32)
-        samples = [timed(c.all_reduce, x) for _ in range(35)][5:]
+        samples = [timed(c.all_reduce, x) for _ in range(35 if size <= 1 << 20 else 12)][2:]
         times[size] = min(samples)
     return times
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench import scale
 from bench.cluster import unavailable
-from bench.scale_model import Fit, Model, crossover, engine_choice, fit_line
+from bench.scale_model import Fit, Model, crossover, engine_choice, fit_line, fit_robust
 
 from harness import ROOT
 from reference import HAVE_TORCH
@@ -69,20 +69,32 @@ def test_model_is_fitted_to_a_real_run_and_reports_every_table():
     assert rc == 0, out + err
     fitted = out[out.index("# the fitted points"):out.index("# model vs measured")].splitlines()[2:]
     ratios = sorted(float(line.split()[-1]) for line in fitted)
-    assert len(ratios) == 10 and 0.5 < ratios[len(ratios) // 2] < 2, out   # least squares: the median near 1
+    assert len(ratios) == 12 and 0.5 < ratios[len(ratios) // 2] < 2, out   # least squares: the median near 1
     checks = out[out.index("# model vs measured"):out.index("# extrapolated: all_reduce")].splitlines()[2:]
     assert {line.split()[3] for line in checks} == {"all_reduce", "all_to_all"}, out
     for head in ("# extrapolated: all_to_all", "# extrapolated: bootstrap", "the ring overtakes rd"):
         assert head in out
 
 
-def test_fit_reproduces_its_points():
+def test_fit_reproduces_its_points_and_leaves_out_an_outlier():
     sizes = [8, 1 << 10, 16 << 10, 128 << 10, 1 << 20]
     alpha, beta = fit_line(sizes, [30e-6 + s / 1e9 for s in sizes])
     assert alpha == pytest.approx(30e-6, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
     # noise on one point moves the fit, not past it
     alpha, beta = fit_line(sizes, [30e-6 + s / 1e9 for s in sizes[:-1]] + [1.2 * (30e-6 + sizes[-1] / 1e9)])
     assert 25e-6 < alpha < 35e-6 and 1e-9 < beta < 1.3e-9
+    # the bench's fit: beta from the largest sizes, alpha the least of the small ones; a size whose
+    # every sample caught a descheduled rank (2 ms for 8 B) is shown as off the line
+    times = [2e-3] + [30e-6 + s / 1e9 for s in sizes[1:]]
+    alpha, beta, kept = fit_robust(sizes, times)
+    assert kept == [False, True, True, True, True]
+    assert alpha == pytest.approx(30e-6 + (1024 - 8) * 1e-9, rel=1e-6) and beta == pytest.approx(1e-9, rel=1e-6)
+    # a rate-limited link: small sizes at the wire's speed, large ones at the link's
+    sizes = [8, 1 << 10, 16 << 10, 4 << 20, 16 << 20]
+    times = [10e-6, 10.5e-6, 20e-6, 30e-3, 130e-3]
+    alpha, beta, kept = fit_robust(sizes, times)
+    assert beta == pytest.approx(100e-3 / (12 << 20)) and alpha == pytest.approx(10e-6 - 8 * beta)
+    assert kept == [True, True, False, True, True]   # 16 KiB crossed inside the bucket: off the line
 
 
 def test_ring_and_rd_cross_where_the_formulas_say():
