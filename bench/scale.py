@@ -84,6 +84,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("give --hosts H --np N, --shapes, or --model")
     if a.model and a.shapes and not any(h > 1 and n > 1 for h, n in a.shapes):
         p.error("--model is fitted to a shape of two hosts or more with two ranks or more on each (e.g. 2x2)")
+    if a.link_rate:
+        from .cluster import rate_bits
+        try:
+            rate_bits(a.link_rate)
+        except ValueError as e:
+            p.error(f"--link-rate: {e}")
     if a.time_budget <= 0 or a.iters < 1:
         p.error("--time-budget and --iters must be positive")
     return a

@@ -337,19 +337,22 @@ def extrapolation(model: Model) -> tuple[list[list[str]], list[list[str]]]:
 
 def report(f: Fit, rows: list[dict], dropped: dict) -> str:
     model = Model(f)
-    out = [f"# fitted on this machine: between hosts alpha {f.alpha_net * 1e6:.1f} us, "
-           f"{1 / f.beta_net / 1e9 if f.beta_net else float('inf'):.3g} GB/s; inside a host alpha "
-           f"{f.alpha_shm * 1e6:.1f} us, {1 / f.beta_shm / 1e9 if f.beta_shm else float('inf'):.3g} GB/s; "
-           f"store {f.c_req * 1e6:.0f} us/request, replies {1 / f.beta_store / 1e9 if f.beta_store else float('inf'):.3g} GB/s",
-           "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)", fit_table(f, rows, dropped),
+    def rate(beta: float) -> str:
+        return f"{1 / beta / 1e9:.3g} GB/s" if beta else "unbounded"
+
+    out = [f"# fitted on this machine: between hosts alpha {f.alpha_net * 1e6:.1f} us, {rate(f.beta_net)}; "
+           f"inside a host alpha {f.alpha_shm * 1e6:.1f} us, {rate(f.beta_shm)}; "
+           f"store {f.c_req * 1e6:.0f} us/request, replies {rate(f.beta_store)}",
+           "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)",
+           fit_table(f, rows, dropped),
            "# model vs measured: the algorithm the engine runs (select.cc), slowest rank's time"]
     checks = check_table(model, rows)
-    out.append(_table(["shape", "ranks", "per core", "op", "size", "algorithm", "measured", "model", "meas/model"], checks)
-               if checks else "(no measured run across hosts)")
+    head = ["shape", "ranks", "per core", "op", "size", "algorithm", "measured", "model", "meas/model"]
+    out.append(_table(head, checks) if checks else "(no measured run across hosts)")
     ar, a2a = extrapolation(model)
     out += ["# extrapolated: all_reduce (m: the buffer)",
-            _table(["shape", "ranks", "m", "ring", "rd", "tree", "2l-shard", "2l-halving", "2l-leader", "fastest", "engine",
-                    "engine/fastest"], ar),
+            _table(["shape", "ranks", "m", "ring", "rd", "tree", "2l-shard", "2l-halving", "2l-leader", "fastest",
+                    "engine", "engine/fastest"], ar),
             "# extrapolated: all_to_all (m: one rank's whole buffer)",
             _table(["shape", "ranks", "m", "pairwise", "2l-agg", "fastest", "engine", "engine/fastest"], a2a),
             f"# extrapolated: bootstrap, an all_gather of {BLOB} B per rank"]
