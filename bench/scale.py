@@ -234,11 +234,11 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
 
 
 def merge_sweeps(sweeps: list[dict]) -> dict:
-    """Ping-pongs from the ranks that took part; collective times: the slowest rank's."""
-    out = {"pingpong_local": {}, "pingpong_remote": {}, "all_reduce": {}, "all_to_all": {},
+    """Every time: the slowest rank's (of those that took part)."""
+    out = {"pair_local": {}, "pair_remote": {}, "all_reduce": {}, "all_to_all": {},
            "wrong": sum(s["wrong"] for s in sweeps)}
     for s in sweeps:
-        for key in ("pingpong_local", "pingpong_remote", "all_reduce", "all_to_all"):
+        for key in ("pair_local", "pair_remote", "all_reduce", "all_to_all"):
             for size, t in s[key].items():
                 out[key][size] = max(out[key].get(size, 0.0), t)
     return out

@@ -7,10 +7,10 @@ one host that send across at once share its link: a step costs alpha_net plus th
 leave the host times beta_net. The rendezvous store serves one request in c_req and sends
 its replies at beta_store per byte (its host's link at most: beta_net).
 
-Fitted from real runs (bench/scale_rank.py --sweep), the best of 30 each: a p2p ping-pong
-between two ranks of one host (8 B - 1 MiB), an all_reduce between two ranks of two hosts (8 B -
-16 MiB; one exchange up to 64 KiB, two halves above); beta the slope between the two largest
-sizes, alpha from those up to 1 KiB (fit_robust); a real
+Fitted from real runs (bench/scale_rank.py --sweep), the best of 30 each: an all_reduce of two
+ranks of one host and of two ranks on two hosts, 8 B - 16 MiB (pair_steps: the steps of the
+algorithm that runs at each size); beta the slope between the two largest sizes, alpha from
+those up to 1 KiB (fit_robust); a real
 comm.store.Store on loopback, hammered by clients in another process, gives c_req and
 beta_store. Checked: all_reduce and all_to_all at several sizes on the shapes that ran, model
 next to measurement (the ratio says how far to trust the extrapolation; on a machine of few
@@ -52,6 +52,7 @@ import numpy as np
 
 RD_MAX = 64 << 10            # select.cc kRdMaxBytes, twolevel.cc kRdMaxBytes
 SHARD_MIN = 64 << 10         # twolevel.cc kShardMinBytes
+CMA_MIN = 256 << 10          # select.cc cma_min_bytes(ALL_REDUCE)
 BLOB = 512                   # bytes each rank puts into a bootstrap all_gather (addresses, handles)
 EXTRAPOLATE = [(8, 128), (16, 64), (128, 8), (32, 128), (128, 32), (64, 128), (128, 128)]
 AR_SIZES = [8, 64 << 10, 1 << 20, 64 << 20]
@@ -242,19 +243,28 @@ def measure_store(clients: int = 8, reps: int = 300, big_reps: int = 20, tries: 
     return best
 
 
+def pair_steps(size: int, local: bool) -> int:
+    """Steps of an all_reduce of two ranks (select.cc): across hosts recursive doubling up to
+    RD_MAX (one exchange), the ring above (two of half the buffer); inside a host the direct
+    path, rd, then from 64 KiB the ring and from 256 KiB the single-copy cma (one each but the ring)."""
+    if local:
+        return 2 if RD_MAX < size < CMA_MIN else 1
+    return 1 if size <= RD_MAX else 2
+
+
 def fit_from(rows: list[dict], store: tuple[float, float]) -> tuple[Fit, dict]:
-    """The fit, and which sizes each line left out as outliers."""
+    """The fit, and which sizes each line found off it."""
     sweeps = [r["sweep"] for r in rows if "sweep" in r]
-    local = next((s["pingpong_local"] for s in sweeps if s["pingpong_local"]), None)
-    remote = next((s["pingpong_remote"] for s in sweeps if s["pingpong_remote"]), None)
-    if not local or not remote:
-        raise RuntimeError("the fit needs a run with two hosts and two ranks on a host (e.g. 2x2)")
-    sizes = [int(k) for k in local]
-    a_s, b_s, kept_s = fit_robust(sizes, list(local.values()))
-    dropped = {"pingpong_local": {m for m, ok in zip(sizes, kept_s) if not ok}}
-    sizes = [int(k) for k in remote]   # two ranks: one exchange up to RD_MAX, two halves above
-    a_n, b_n, kept_n = fit_robust(sizes, list(remote.values()), [1 if m <= RD_MAX else 2 for m in sizes])
-    dropped["pingpong_remote"] = {m for m, ok in zip(sizes, kept_n) if not ok}
+    fitted, dropped = [], {}
+    for key in ("pair_local", "pair_remote"):
+        pair = next((s[key] for s in sweeps if s[key]), None)
+        if not pair:
+            raise RuntimeError("the fit needs a run with two hosts and two ranks on a host (e.g. 2x2)")
+        sizes = [int(k) for k in pair]
+        alpha, beta, kept = fit_robust(sizes, list(pair.values()), [pair_steps(m, key == "pair_local") for m in sizes])
+        fitted.append((alpha, beta))
+        dropped[key] = {m for m, ok in zip(sizes, kept) if not ok}
+    (a_s, b_s), (a_n, b_n) = fitted
     return Fit(a_n, b_n, a_s, b_s, *store), dropped
 
 
@@ -284,11 +294,10 @@ def fit_table(f: Fit, rows: list[dict], dropped: dict) -> str:
         s = r.get("sweep")
         if not s:
             continue
-        for key, what, (a, b) in (("pingpong_local", "p2p, one host", (f.alpha_shm, f.beta_shm)),
-                                  ("pingpong_remote", "all_reduce, 2 hosts", (f.alpha_net, f.beta_net))):
+        for key, what, (a, b) in (("pair_local", "one host", (f.alpha_shm, f.beta_shm)),
+                                  ("pair_remote", "two hosts", (f.alpha_net, f.beta_net))):
             for size, t in s[key].items():
-                steps = 1 if key == "pingpong_local" or int(size) <= RD_MAX else 2
-                model = steps * a + int(size) * b
+                model = pair_steps(int(size), key == "pair_local") * a + int(size) * b
                 used = "outlier" if int(size) in dropped.get(key, ()) else "yes"
                 lines.append([f"{r['hosts']}x{r['per_host']}", what, _size(int(size)), used, _t(t), _t(model),
                               f"{t / model:.2f}"])
@@ -343,7 +352,7 @@ def report(f: Fit, rows: list[dict], dropped: dict) -> str:
     out = [f"# fitted on this machine: between hosts alpha {f.alpha_net * 1e6:.1f} us, {rate(f.beta_net)}; "
            f"inside a host alpha {f.alpha_shm * 1e6:.1f} us, {rate(f.beta_shm)}; "
            f"store {f.c_req * 1e6:.0f} us/request, replies {rate(f.beta_store)}",
-           "# the fitted points (best of 30: one-way p2p time inside a host; all_reduce of 2 ranks on 2 hosts)",
+           "# the fitted points: all_reduce of two ranks, the best of 30",
            fit_table(f, rows, dropped),
            "# model vs measured: the algorithm the engine runs (select.cc), slowest rank's time"]
     checks = check_table(model, rows)

@@ -11,8 +11,8 @@ starts together everywhere and pays its connections, not the slowest rank's star
 first all_reduce of 1 MiB and the first all_to_all, checked, ITERS timed all_reduce of 1 MiB,
 then every other collective kind once, checked, and the descriptors and RSS of the process.
 --sweep (native only) adds what the cost model (bench/scale_model.py) is fitted to and
-checked against: a ping-pong with a rank on the same host, an all_reduce between two ranks on
-two hosts, and all_reduce and all_to_all of every rank at several sizes.
+checked against: all_reduce between two ranks of one host and of two hosts, and all_reduce and
+all_to_all of every rank at several sizes.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ OUTDIR, TRANSPORT, T0, ITERS = sys.argv[1], sys.argv[2], float(sys.argv[3]), int
 SWEEP = "--sweep" in sys.argv[5:]
 STEADY = 1 << 20                  # bytes of the steady-state all_reduce
 SMALL = 1024                      # float32 elements per block of the other collectives
-PINGPONG = [8, 1 << 10, 16 << 10, 128 << 10, 1 << 20]
+PAIR_SIZES = [8, 1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20]
 AR_SIZES = [8, 1 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 A2A_SIZES = [1 << 10, 64 << 10, 1 << 20]   # one rank's whole buffer
 
@@ -84,8 +84,6 @@ class Native:
     def reduce(self, x): self.c.reduce(x, root=0)
     def all_to_all(self, out, x): self.c.all_to_all(out, x)
     def barrier(self): self.c.barrier()
-    def send(self, x, peer): self.c.send(x, peer)
-    def recv(self, x, peer): self.c.recv(x, peer)
 
     def exchange(self, x, y, dst, src):
         w = self.c.isend(x, dst)
@@ -116,8 +114,6 @@ class Gloo:
     def reduce(self, x): dist.reduce(x, 0)
     def all_to_all(self, out, x): dist.all_to_all_single(out, x)
     def barrier(self): dist.barrier()
-    def send(self, x, peer): dist.send(x, peer)
-    def recv(self, x, peer): dist.recv(x, peer)
 
     def exchange(self, x, y, dst, src):
         w = dist.isend(x, dst)
@@ -171,65 +167,38 @@ def every_kind(t) -> dict:
     return out
 
 
-def pingpong(t, peer: int) -> dict:
-    """One-way time (half the round trip) between rank 0 and `peer` per size: the best of 100
-    (30 from 128 KiB), as the model counts no waiting for the CPU (on a shared machine that
-    waiting only adds)."""
-    times = {}
-    for size in PINGPONG:
-        x = t.array(max(1, size // 4))
-        samples = []
-        for i in range(105 if size <= 16 << 10 else 35):
-            s = time.perf_counter()
-            if t.rank == 0:
-                t.send(x, peer)
-                t.recv(x, peer)
-            else:
-                t.recv(x, 0)
-                t.send(x, 0)
-            if i >= 5:
-                samples.append((time.perf_counter() - s) / 2)
-        times[size] = min(samples)
-    return times
-
-
 def exchange_pair(c) -> dict:
-    """all_reduce on a communicator of two ranks on two hosts, per size: the best of 30 (of 10
-    from 4 MiB, sizes that show a rate-limited link's rate past its bucket). Up to 64 KiB it is
-    one exchange of the buffer (recursive doubling), above two of half of it (the ring): what
-    the algorithms' steps across hosts cost. (A p2p ping-pong there also measures the wake-ups
-    of the p2p driver thread, which on a loaded machine take milliseconds.)"""
+    """all_reduce on a communicator of two ranks, per size: the best of 30 (of 10 from 4 MiB,
+    sizes that show a rate-limited link's rate past its bucket). What one step of the
+    algorithms costs, inside a host or across (bench/scale_model.py knows which algorithm runs
+    at each size). A p2p ping-pong would also measure the wake-ups of the p2p driver thread,
+    which on a loaded machine take a millisecond."""
     times = {}
-    for size in PINGPONG + [4 << 20, 16 << 20]:
+    for size in PAIR_SIZES:
         x = np.ones(max(1, size // 4), dtype=np.float32)
         samples = [timed(c.all_reduce, x) for _ in range(35 if size <= 1 << 20 else 12)][2:]
         times[size] = min(samples)
     return times
 
 
-def pingpongs(t, per_host: int) -> tuple[dict, dict]:
-    """Rank 0 with rank 1 (its host: a p2p ping-pong over shared memory) and with rank per_host
-    (the next host: exchange_pair). The other ranks sleep on a file meanwhile: waiting in a
-    collective they would poll, and on a machine of few cores take the CPU the two need."""
-    local, remote = {}, {}
-    done = os.path.join(OUTDIR, "pingpong")
-    if per_host > 1 and t.rank in (0, 1):
-        local = pingpong(t, 1)
-        if t.rank == 0:
-            open(done + "0", "w").close()
-    elif per_host > 1:
-        while not os.path.exists(done + "0"):
-            time.sleep(0.05)
-    if t.size > per_host:
-        pair = t.c.split(0 if t.rank in (0, per_host) else None)
+def pairs(t, per_host: int) -> tuple[dict, dict]:
+    """Rank 0 with rank 1 (its host) and with rank per_host (the next host), each pair on a
+    communicator of its own. The other ranks sleep on a file meanwhile: waiting in a collective
+    they would poll, and on a machine of few cores take the CPU the two need."""
+    out = []
+    for i, peer in enumerate((1, per_host)):
+        done = os.path.join(OUTDIR, f"pair{i}")
+        usable = peer < t.size and (i == 1) == (peer >= per_host)
+        pair = t.c.split(0 if usable and t.rank in (0, peer) else None) if usable else None
         if pair is not None:
-            remote = exchange_pair(pair)
+            out.append(exchange_pair(pair))
             if t.rank == 0:
-                open(done + "1", "w").close()
+                open(done, "w").close()
         else:
-            while not os.path.exists(done + "1"):
+            out.append({})
+            while usable and t.rank not in (0, peer) and not os.path.exists(done):
                 time.sleep(0.05)
-    return local, remote
+    return out[0], out[1]
 
 
 def sweep(t, per_host: int) -> dict:
@@ -237,7 +206,7 @@ def sweep(t, per_host: int) -> dict:
     n, r = t.size, t.rank
     out = {"all_reduce": {}, "all_to_all": {}, "wrong": 0}
     t.barrier()
-    out["pingpong_local"], out["pingpong_remote"] = pingpongs(t, per_host)
+    out["pair_local"], out["pair_remote"] = pairs(t, per_host)
     reps = max(5, ITERS)   # each time: the best of reps, as the ping-pongs
     for size in AR_SIZES:
         x = t.array(max(1, size // 4), r + 1)
