@@ -13,6 +13,8 @@ Layout (each file does one thing):
     measure.py     warmup, timed iterations after a barrier, the check, aggregation over ranks
     data.py        exactly predictable inputs and expected results (bit-exact #wrong)
     report.py      tables, the comparison table, JSON (schema documented there), PNG plot
+    scale.py       `python -m bench.scale`: set-up at scale across simulated hosts (one rank:
+                   scale_rank.py) and, with --model, the cost model of scale_model.py
 
 Adding a benchmark (e.g. moe): one new module in bench/benchmarks/; see the docstring of
 bench/benchmarks/__init__.py. Adding a library to compare against: one Runner subclass.
