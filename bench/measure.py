@@ -1,4 +1,4 @@
-"""Timing and the sweep of one transport: warm up, time n iterations after a barrier, check.
+"""Timing one row of one transport: warm up, time n iterations after a barrier, check.
 
 Iteration counts adapt to size: the first warmup iterations (up to 3) are timed, the ranks
 agree on the slowest rank's fastest one, and the remaining warmups and the timed iterations are
