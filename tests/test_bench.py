@@ -6,17 +6,21 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from comm import rendezvous
 from comm.types import DType, ReduceOp, op_allowed
 from transports import base
 
 from bench import cli, data, report, sweep
 from bench.benchmarks import BENCHMARKS, load_all, set_fault_hook
 from bench.benchmarks.collectives import moe_splits
-from bench.measure import Mode, Row, aggregate, bandwidth
+from bench.launch import Control, World
+from bench.measure import Mode, Options, Row, aggregate, bandwidth, time_case
+from bench.runners import Runner
 
 from harness import ROOT, mpirun, run_ranks
 from reference import HAVE_TORCH
@@ -295,6 +299,22 @@ def test_table_rows_are_the_median_repetition():
     assert native.modes["in-place"].time_us == 40.0 and gloo.modes["out-of-place"].time_us == 80.0
     # an even count: the lower middle one, a real measurement
     assert sweep.medians(rows[:4])[0].modes["out-of-place"].time_us == 10.0
+
+
+def test_a_slow_first_call_does_not_cut_a_row_to_one_iteration():
+    """A first call the scheduler delayed (200 ms, the operation takes 1 ms) is followed by a
+    second timed call, and the faster one sizes the row: the full -n, not one iteration."""
+    calls = []
+
+    def run():
+        time.sleep(0.2 if not calls else 0.001)
+        calls.append(1)
+    ctl = Control(World(0, 1, "127.0.0.1", rendezvous.free_port(), "single"), 30)
+    try:
+        seconds, iters = time_case(run, Runner(), ctl, Options([8], iters=20, warmup=5, budget=0.25))
+    finally:
+        ctl.close()
+    assert iters == 20 and seconds < 0.01, (seconds, iters)
 
 
 def test_comparison_of_several_runs_takes_ratios_within_each_run():
