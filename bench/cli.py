@@ -12,10 +12,11 @@ from comm.types import DType, ReduceOp, op_allowed
 from transports import base
 
 from . import cluster, report
-from .benchmarks import Params, load_all
+from .benchmarks import load_all
 from .launch import Control, StepFailed, find_mpirun, launch_on_hosts, launched, placement, self_launch
-from .measure import Options, run_row, sweep_sizes, warm_up
+from .measure import Options
 from .runners import ANCHORS, NAMES, make_runner
+from .sweep import medians, sweep
 
 DTYPES = {"int8": DType.INT8, "char": DType.INT8, "uint8": DType.UINT8, "int16": DType.INT16,
           "int32": DType.INT32, "int": DType.INT32, "int64": DType.INT64,
@@ -112,11 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --hosts: limit each host's link to RATE each way (e.g. 2gbit); the "
                         "comparison then shows the link bound of busbw")
     p.add_argument("--time-budget", type=float, default=0.25,
-                   help="seconds of timed iterations per size and mode before -n is cut (0.25; 0: never cut)")
-    p.add_argument("--runs", type=_positive(int), default=1,
-                   help="measure every transport this many times, in turn (1); the comparison gives "
-                        "the median and the range of the ratios: the machine's speed drifts between "
-                        "minutes, and a ratio is only fair within one turn")
+                   help="seconds of timed iterations per size and mode before -n is cut, shared by "
+                        "the --runs repetitions (0.25; 0: never cut)")
+    p.add_argument("--runs", type=_positive(int), default=3,
+                   help="repetitions of every size on every transport (3), interleaved: at each size "
+                        "each repetition measures every transport once, side by side; tables and "
+                        "comparison give the median, and the comparison the range of the ratios "
+                        "taken within each repetition (a shared machine's speed drifts between minutes)")
     p.add_argument("--persistent", action="store_true",
                    help="time this library's persistent form (all_reduce_init ...: set up once, run each "
                         "iteration) instead of the one-shot calls")
@@ -154,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [t for t in args.transports if t not in known]
     if unknown or not args.transports:
         p.error(f"--transport: unknown {', '.join(map(repr, unknown)) or 'empty list'}; known: {', '.join(known)}")
+    if args.runs < 1:
+        p.error("--runs must be at least 1")
     if args.average == "all":
         p.error("-a takes 0, 1, 2 or 3")
     if not sizes(args):
@@ -229,7 +234,8 @@ def _preamble(pr: report.Printer, args, world, opts: Options, ctl: Control) -> N
     pr.line(f"# comm bench: {' '.join(b for b in (args.benchmarks or ['all_reduce']))}")
     pr.line(f"# nranks {world.size} launcher {world.launcher} minBytes {args.minbytes} maxBytes {args.maxbytes} "
             f"step: {step} warmup iters: {opts.warmup} iters: {opts.iters} validation: {opts.check} "
-            f"average: {report.AVERAGES[opts.average]} time budget: {opts.budget:g} s")
+            f"average: {report.AVERAGES[opts.average]} time budget: {args.time_budget:g} s "
+            f"runs: {args.runs} (interleaved)")
     pr.line("#")
     for r, (pid, host) in enumerate(procs):
         pr.line(f"#  Rank {r:2d} Pid {pid:7d} on {host:>12s} device cpu")
@@ -237,52 +243,34 @@ def _preamble(pr: report.Printer, args, world, opts: Options, ctl: Control) -> N
 
 
 def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
+    # the budget is per size and mode: the repetitions share it, so --runs costs no more time
+    # where the budget cuts -n (large sizes)
     opts = Options(sizes(args), args.iters, args.warmup_iters, args.check, args.average, args.root,
-                   args.time_budget, args.timeout)
+                   args.time_budget / max(1, args.runs), args.timeout)
     if args.root >= world.size and any(b.rooted for b in benches):
         pr.note(f"root {args.root} is not a rank of this {world.size}-rank job")
         return 2
     _preamble(pr, args, world, opts, ctl)
     rows, status, failed = [], [], []   # failed: why the exit status is 1
     dtypes = ALL_DTYPES if args.datatype == "all" else [args.datatype]
-    # Each run measures every transport in turn; one that was skipped or failed is not retried.
-    turns = [(run, name) for run in range(args.runs) for name in args.transports]
-    for run, name in turns:
-        if args.runs > 1 and name == args.transports[0]:
-            pr.line(f"# Run {run + 1} of {args.runs}")
-        if any(s["name"] == name and s["status"] != "ok" for s in status):
-            continue
-        runner = make_runner(name, args.persistent, args.async_op)
-        reasons = ctl.gather(runner.unavailable(world.launcher))
-        reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
-                       for r, x in enumerate(reasons) if x), None)
-        if reason:
-            pr.line(f"# {name}: skipped: {reason}")
-            _set_status(status, name, runner.kind, "skipped", reason)
-            continue
-        port = ctl.fresh_port()
-        try:
-            try:
-                runner.setup(world.rank, world.size, world.addr, port, args.timeout)
-            except Exception as e:
-                ctl.fail(e)
-            ctl.gather("up")
-        except StepFailed as e:
-            failed.append(f"{name} could not start ({e})")
-            pr.line(f"# {name}: failed: cannot start ({e})")
-            _set_status(status, name, runner.kind, "failed", f"cannot start: {e}")
-            _teardown(runner)
-            continue
-        pr.line(f"# Transport: {name} ({KINDS.get(runner.kind, 'anchor')})")
-        try:
-            rows += _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run)
-            if run == 0:
-                _set_status(status, name, runner.kind, "ok", None)
-        except StepFailed as e:
-            failed.append(f"{name} failed ({e})")
-            pr.line(f"# {name}: failed: {e}; its remaining benchmarks are skipped")
-            _set_status(status, name, runner.kind, "failed", str(e))
-        _teardown(runner)
+    # Every transport stays up for the whole run, so that each size measures them side by side
+    # (bench/sweep.py); one that fails is measured no more, and the others go on.
+    live = _start(args, world, ctl, pr, status, failed)
+    failures: dict[str, str] = {}
+    try:
+        for bench in benches:
+            if world.size < bench.min_ranks:
+                pr.line(f"# {bench.name}: skipped: needs at least {bench.min_ranks} ranks")
+                continue
+            mine = sweep(bench, live, failures, dtypes, lambda b, d: _ops(args, b, d), args, opts, world, ctl, pr)
+            _print_tables(pr, bench, live, mine, args.runs)
+            rows += mine
+    finally:
+        for name in reversed(live):   # a torch group made second goes before the default group
+            _teardown(live[name])
+    for name, why in failures.items():
+        failed.append(f"{name} failed ({why})")
+        _set_status(status, name, live[name].kind, "failed", why)
     bounds = None
     if args.link_rate:
         per_host = world.size // args.hosts
@@ -314,9 +302,13 @@ def _run(args, raw, benches, world, ctl: Control, pr: report.Printer) -> int:
 
 
 def _set_status(status: list, name: str, kind: str, state: str, reason: str | None) -> None:
-    """Record how transport `name` went, replacing what an earlier run recorded."""
-    status[:] = [s for s in status if s["name"] != name]
-    status.append({"name": name, "kind": kind, "status": state, "reason": reason})
+    """Record how transport `name` went, in place of what was recorded for it before."""
+    entry = {"name": name, "kind": kind, "status": state, "reason": reason}
+    at = next((i for i, s in enumerate(status) if s["name"] == name), None)
+    if at is None:
+        status.append(entry)
+    else:
+        status[at] = entry
 
 
 def _teardown(runner) -> None:
@@ -326,41 +318,47 @@ def _teardown(runner) -> None:
         print(f"# {runner.name}: teardown: {e}", file=sys.stderr)
 
 
-def _sweep(runner, name, benches, dtypes, args, opts, world, ctl, pr, run: int) -> list:
-    rows = []
-    for bench in benches:
-        if world.size < bench.min_ranks:
-            pr.line(f"# {name} {bench.name}: skipped: needs at least {bench.min_ranks} ranks")
+def _start(args, world, ctl: Control, pr: report.Printer, status: list, failed: list) -> dict:
+    """Set up every transport, in --transport order: name -> runner. One that cannot run here is
+    skipped, one that cannot start is failed; both are recorded and left out."""
+    live = {}
+    for name in args.transports:
+        runner = make_runner(name, args.persistent, args.async_op)
+        reasons = ctl.gather(runner.unavailable(world.launcher))
+        reason = next((f"rank {r}: {x}" if world.size > 1 and len(set(reasons)) > 1 else x
+                       for r, x in enumerate(reasons) if x), None)
+        if reason:
+            pr.line(f"# {name}: skipped: {reason}")
+            _set_status(status, name, runner.kind, "skipped", reason)
             continue
+        port = ctl.fresh_port()
+        try:
+            try:
+                runner.setup(world.rank, world.size, world.addr, port, args.timeout)
+            except Exception as e:
+                ctl.fail(e)
+            ctl.gather("up")
+        except StepFailed as e:
+            failed.append(f"{name} could not start ({e})")
+            pr.line(f"# {name}: failed: cannot start ({e})")
+            _set_status(status, name, runner.kind, "failed", f"cannot start: {e}")
+            _teardown(runner)
+            continue
+        _set_status(status, name, runner.kind, "ok", None)
+        live[name] = runner
+    return live
+
+
+def _print_tables(pr: report.Printer, bench, live: dict, rows: list, runs: int) -> None:
+    """Each transport's nccl-tests table of one benchmark: per size, the repetition of median time."""
+    for name, runner in live.items():
+        mine = [r for r in rows if r.transport == name]
+        pr.line(f"# Transport: {name} ({KINDS.get(runner.kind, 'anchor')})")
         pr.line(f"# Collective test: {bench.name}")
+        if runs > 1:
+            pr.line(f"# each row: the repetition of median time of {runs}, interleaved with the other transports")
         pr.line(report.header())
-        mine, warm = [], not bench.sweeps   # warm up once per benchmark, before its first size
-        for dtype in (dtypes if bench.sweeps else dtypes[:1]):
-            for op in _ops(args, bench, dtype):
-                p = Params(0, dtype, op, args.root, world.rank, world.size)
-                why = [bench.unsupported(runner, p, m == "in-place") for m in bench.modes]
-                if all(why):
-                    pr.line(f"# {name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)}: "
-                            f"not run: {why[0]}")
-                    continue
-                for count, size in sweep_sizes(bench, opts, dtype, world.size):
-                    p.count = count
-                    if not warm:
-                        pr.progress(f"{name} {bench.name}: warming up")
-                        try:
-                            warm_up(bench, runner, ctl, opts, p)
-                        except StepFailed as e:
-                            raise StepFailed(f"{bench.name} warm-up: {e}") from None
-                        warm = True
-                    pr.progress(f"{name} {bench.name} {report.dtype_name(dtype)} {report.op_name(op)} {size} B")
-                    try:
-                        row = run_row(bench, runner, ctl, opts, p, size, name)
-                    except StepFailed as e:
-                        raise StepFailed(f"{bench.name} {report.dtype_name(dtype)} {size} B: {e}") from None
-                    if row is not None:
-                        row.run = run
-                        mine.append(row)
-                        pr.line(report.format_row(row))
-        pr.line(report.footer(mine))
-        rows += mine
-    return rows
+        shown = medians(mine)
+        for row in shown:
+            pr.line(report.format_row(row))
+        pr.line(report.footer(shown))

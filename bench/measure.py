@@ -1,4 +1,4 @@
-"""Timing and the sweep of one transport: warm up, time n iterations after a barrier, check.
+"""Timing one row of one transport: warm up, time n iterations after a barrier, check.
 
 Iteration counts adapt to size: the first warmup iterations (up to 3) are timed, the ranks
 agree on the slowest rank's fastest one, and the remaining warmups and the timed iterations are
@@ -85,14 +85,15 @@ def time_case(run, runner: Runner, ctl: Control, opts: Options) -> tuple[float, 
     """(seconds per iteration on this rank, iterations timed). Collective: same counts everywhere."""
     iters, warmup = opts.iters, opts.warmup
     if warmup > 0:
-        # The first call pays one-off costs (lazy set-up, ranks arriving apart), which once cut
-        # a microsecond operation to a handful of noisy iterations: where they fit a quarter of
-        # the budget, two more calls are timed, and the fastest sizes the run. Every rank
+        # The first call pays one-off costs (lazy set-up, ranks arriving apart, a rank that the
+        # scheduler left waiting), which once cut a microsecond operation to a handful of noisy
+        # iterations, and on a loaded machine to one: where they fit a quarter of the budget,
+        # two more calls are timed, else one, and the fastest sizes the run. Every rank
         # decides alike (from the gathered first time): the calls are collective.
         times = [_timed(run)]
         first = max(ctl.gather(times[0]))
-        if opts.budget > 0 and first * 3 < opts.budget / 4:
-            times += [_timed(run) for _ in range(min(warmup, 3) - 1)]
+        more = 0 if opts.budget <= 0 else 2 if first * 3 < opts.budget / 4 else 1
+        times += [_timed(run) for _ in range(min(warmup - 1, more))]
         each = max(ctl.gather(min(times))) if len(times) > 1 else first
         if opts.budget > 0 and each > 0:
             warmup = min(warmup, len(times) + int(opts.budget / 4 / each))

@@ -10,7 +10,8 @@ JSON schema "comm-bench/1" (stable; fields are only ever added, never renamed):
                      "reason": str|null}],
      "results": [{"transport", "benchmark", "dtype": str|null, "redop": str|null, "root": int (-1: none),
                   "size_bytes": int, "count": int,
-                  "out_of_place": MODE|null, "in_place": MODE|null, "run": int (0-based, of --runs)}],
+                  "out_of_place": MODE|null, "in_place": MODE|null, "run": int (the repetition, 0-based, of --runs)}],
+                 in the order they were measured (bench/sweep.py: interleaved per size)
      "summary": [{"transport", "benchmark", "dtype", "redop", "avg_busbw_gbps", "wrong": int|null}]}
     MODE = {"time_us": float, "algbw_gbps": float, "busbw_gbps": float, "wrong": int|null, "iters": int}
 
@@ -117,8 +118,10 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...],
     faster than the anchor; `bounds` (benchmark -> GB/s, a simulated cluster's link bound) adds
     a column. Out-of-place numbers when every transport has them, else in-place;
     a '*' marks a transport whose other mode had to stand in. Unswept benchmarks (barrier)
-    show the time in us instead of busbw. With several runs (--runs): the median busbw, and
-    the median ratio with its range, each ratio taken within one run."""
+    show the time in us instead of busbw. With several repetitions (--runs, Row.run): the
+    median busbw, and the median ratio with its range, each ratio taken within one repetition
+    (whose transports were measured side by side, bench/sweep.py); a number that is the median
+    of fewer repetitions than the header says (a transport that failed) is followed by [k]."""
     ran = [t for t in transports if any(r.transport == t for r in rows)]
     if len(ran) < 2 and not bounds:
         return ""
@@ -133,13 +136,14 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...],
         bench, dtype, op, _ = key
         timed = all(r.size == 0 for r in group)
         label = " ".join(x for x in (bench, dtype is not None and dtype_name(dtype), op is not None and op_name(op)) if x)
-        many = f", median of {len(runs)} runs, ratio range in ()" if len(runs) > 1 else ""
+        many = (f", median of {len(runs)} interleaved repetitions, ratio range in ()" if len(runs) > 1
+                else ", 1 repetition")
         out.append(f"# Comparison: {label}: {'time (us)' if timed else 'busbw (GB/s)'}, "
                    f"{mode or 'out-of-place, * = in-place'}{many}; ratio = speed relative to {ref}")
         ratios = [f"{t}/{ref}" for t in others]
         bound = (bounds or {}).get(bench)
         w = max([12] + [len(x) for x in ran + ratios])
-        wr = max(w, 16 if many else 0)   # "1.23 (0.98-1.40)"
+        wr = max(w, 16 if len(runs) > 1 else 0)   # "1.23 (0.98-1.40)"
         out.append("#" + ("%11s" % "size") + "".join("  %*s" % (w, x) for x in ran)
                    + "".join("  %*s" % (wr, x) for x in ratios) + ("  %*s" % (w, "link bound") if bound else ""))
         for size in sorted({r.size for r in group}):
@@ -158,6 +162,8 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...],
                 ms, star = picked[t]
                 values = [m.time_us if timed else m.busbw for m in ms if m is not None]
                 text = ("%.2f" if timed else "%.3f") % statistics.median(values) if values else "N/A"
+                if values and len(values) < len(runs):
+                    text += f"[{len(values)}]"
                 line += "  %*s%s" % (w - 1, text, star)
             for t in others:   # same size and factor: the busbw ratio is the inverse time ratio
                 pairs = zip(picked[ref][0], picked[t][0])
@@ -165,6 +171,8 @@ def comparison(rows: list[Row], transports: list[str], anchors: tuple[str, ...],
                 text = "N/A" if not rs else "%.2f" % statistics.median(rs)
                 if len(rs) > 1:
                     text += " (%.2f-%.2f)" % (min(rs), max(rs))
+                if rs and len(rs) < len(runs):
+                    text += f"[{len(rs)}]"
                 line += "  %*s" % (wr, text)
             if bound and not timed:
                 line += "  %*.3f" % (w, bound)
@@ -323,5 +331,5 @@ class Printer:
 def settings_json(opts, args) -> dict:
     return {"min_bytes": args.minbytes, "max_bytes": args.maxbytes, "step_bytes": args.stepbytes,
             "step_factor": args.stepfactor, "iters": opts.iters, "warmup_iters": opts.warmup,
-            "check": opts.check, "average": AVERAGES[opts.average], "time_budget_s": opts.budget,
+            "check": opts.check, "average": AVERAGES[opts.average], "time_budget_s": args.time_budget,
             "root": opts.root, "runs": args.runs}

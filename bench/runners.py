@@ -267,17 +267,23 @@ class TorchRunner(Runner):
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
         self.dist = dist
         wait = datetime.timedelta(seconds=timeout or 300)
-        # our own store: a tcp:// init_method would look for torchrun's agent store instead
-        self.store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=wait)
-        dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=size, timeout=wait)
+        self.group = None   # torch's default group
+        if dist.is_initialized():
+            # another torch runner is up (the sweep keeps every transport up): a group of our own
+            self.store = None
+            self.group = dist.new_group(backend=self.backend, timeout=wait)
+        else:
+            # our own store: a tcp:// init_method would look for torchrun's agent store instead
+            self.store = dist.TCPStore(addr, port, size, is_master=rank == 0, timeout=wait)
+            dist.init_process_group(self.backend, store=self.store, rank=rank, world_size=size, timeout=wait)
         names = self._OPS if self.backend == "gloo" else self._OPS + ("AVG",)   # comm also averages
         self.ops = {ReduceOp[name]: getattr(dist.ReduceOp, name) for name in names}
         self._gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         self._scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
     def teardown(self):
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
+        if self.dist.is_initialized():   # a group of our own first: the default's end ends them all
+            self.dist.destroy_process_group(self.group)
         self.store = None
 
     def supports(self, bench, dtype, op, in_place):
@@ -299,32 +305,32 @@ class TorchRunner(Runner):
         return _torch_view(arr, dtype)
 
     def all_reduce(self, send, recv, op, scale, in_place):
-        _done(self.dist.all_reduce(recv, self.ops[op], async_op=self.async_op))
+        _done(self.dist.all_reduce(recv, self.ops[op], group=self.group, async_op=self.async_op))
 
     def reduce_scatter(self, send, recv, op, scale):
-        _done(self._scatter(recv, send, self.ops[op], async_op=self.async_op))
+        _done(self._scatter(recv, send, self.ops[op], group=self.group, async_op=self.async_op))
 
     def all_gather(self, send, recv, in_place):
-        _done(self._gather(recv, send, async_op=self.async_op))
+        _done(self._gather(recv, send, group=self.group, async_op=self.async_op))
 
     def broadcast(self, buf, root):
-        _done(self.dist.broadcast(buf, root, async_op=self.async_op))
+        _done(self.dist.broadcast(buf, root, group=self.group, async_op=self.async_op))
 
     def reduce(self, send, recv, root, op, scale, in_place):
-        _done(self.dist.reduce(send, root, self.ops[op], async_op=self.async_op))
+        _done(self.dist.reduce(send, root, self.ops[op], group=self.group, async_op=self.async_op))
 
     def all_to_all(self, send, recv, send_counts, recv_counts):
         _done(self.dist.all_to_all_single(recv, send, list(recv_counts), list(send_counts),
-                                          async_op=self.async_op))
+                                          group=self.group, async_op=self.async_op))
 
     def sendrecv(self, send, recv, dst, src):
-        s = self.dist.isend(send, dst)
-        r = self.dist.irecv(recv, src)
+        s = self.dist.isend(send, dst, group=self.group)
+        r = self.dist.irecv(recv, src, group=self.group)
         s.wait()
         r.wait()
 
     def barrier(self):
-        _done(self.dist.barrier(async_op=self.async_op))
+        _done(self.dist.barrier(group=self.group, async_op=self.async_op))
 
 
 def _done(work) -> None:

