@@ -2,7 +2,8 @@
 // (shared memory and CMA on one host, TCP, InfiniBand / RoCE where present; UCX_TLS
 // chooses). libucp is loaded at run time (dlopen) from the library the Python side names
 // (the libucx wheel's), so the engine builds with UCX's headers alone and imports, and runs
-// every other transport, on machines without UCX.
+// every other transport, on machines without UCX. Any UCX 1.x from kUcxFloorMinor on will do
+// (see there): the version the headers of the build happen to have does not matter.
 //
 // Per communicator: one UCP context and two workers, one per stream (collectives, send /
 // recv), each used by one thread at a time as the engine drives its streams. A channel is
@@ -22,6 +23,7 @@
 // twice through its shared-memory queue. A receiver that may not read the sender (ptrace
 // rules, another pid namespace) answers so, and the payload then travels through UCX.
 #include <dlfcn.h>
+#include <link.h>
 #include <unistd.h>
 #include <ucp/api/ucp.h>
 
@@ -59,9 +61,25 @@ constexpr size_t kMaxDrainBytes = size_t{256} << 20;
 // A clean close flushes each endpoint; a peer that stopped progressing cannot hold us longer.
 constexpr auto kCloseWait = std::chrono::milliseconds(500);
 
+// The oldest UCX the engine runs on is 1.kUcxFloorMinor; every newer 1.x will do. Every
+// function of the table below, and every field, flag and status the engine sets or reads,
+// has the same name, value and offset in UCX's headers from 1.14 to 1.22 (compared in the
+// libucx wheels' headers; UCX keeps its 1.x ABI, and an older library reads only the fields
+// a field mask names), and the engine asks ucp_init for the floor's API. 1.14 is the oldest
+// libucx wheel; tests/test_ucx_versions.py runs jobs on it. pyproject.toml pins the same floor.
+constexpr unsigned kUcxMajor = 1, kUcxFloorMinor = 14;
+static_assert(UCP_API_MAJOR == kUcxMajor && UCP_API_MINOR >= kUcxFloorMinor,
+              "UCX's headers are older than the floor the engine supports (ucx.cc: kUcxFloorMinor)");
+// Newer than the floor, so asked of the library's version: the first UCX that fills a
+// receive's information when it completes at once, and the first whose ucp_config_modify
+// reaches its transports' settings (UCX_TCP_*).
+constexpr unsigned kUcxImmediateInfoMinor = 16, kUcxTransportSettingsMinor = 17;
+const std::string kFloor = std::to_string(kUcxMajor) + "." + std::to_string(kUcxFloorMinor);
+const std::string kRange = "UCX " + kFloor + " or a newer " + std::to_string(kUcxMajor) + ".x";
+const std::string kPin = "pip install 'libucx-cu12>=" + kFloor + ",<" + std::to_string(kUcxMajor + 1) + "'";
+
 #define COMM_UCP_FUNCTIONS(X)                                                                  \
-  X(ucp_get_version) X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release)             \
-  X(ucp_init_version)                                                                          \
+  X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release) X(ucp_init_version)           \
   X(ucp_cleanup) X(ucp_context_print_info) X(ucp_worker_create) X(ucp_worker_destroy)         \
   X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
   X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
@@ -73,6 +91,8 @@ struct Ucp {
 #define COMM_UCP_POINTER(f) decltype(&::f) f = nullptr;
   COMM_UCP_FUNCTIONS(COMM_UCP_POINTER)
 #undef COMM_UCP_POINTER
+  unsigned minor = 0;  // of its version (the major is kUcxMajor once it loaded)
+  std::string found;  // "UCX <version> (<file>)", once loaded
   std::string error;  // why it cannot be used; empty when it can
 };
 
@@ -90,20 +110,33 @@ const Ucp& load_ucp(const NetOptions& opts) {
     u.error = std::string("cannot load ") + path + ": " + dlerror();
     return u;
   }
+  // The file the loader took (a soname resolves anywhere on the search path).
+  std::string file = path;
+  link_map* map = nullptr;
+  if (dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name && *map->l_name) file = map->l_name;
+  // The version before the rest: a library older than the floor may lack a function of the
+  // table, and its version says more than the missing name.
+  using GetVersion = decltype(&::ucp_get_version);
+  auto get_version = reinterpret_cast<GetVersion>(dlsym(lib, "ucp_get_version"));
+  if (!get_version) {
+    u.error = file + " has no ucp_get_version: it is not UCX's libucp";
+    return u;
+  }
+  unsigned major = 0, minor = 0, release = 0;
+  get_version(&major, &minor, &release);
+  u.minor = minor;
+  u.found = "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) + " (" + file + ")";
+  // Open MPI's wheel bundles a UCX of its own under the same sonames, and whichever loads
+  // first wins: the file named here says which one this is.
+  if (major != kUcxMajor || minor < kUcxFloorMinor) {
+    u.error = u.found + " is not supported: the engine runs on " + kRange + " (" + kPin + ")";
+    return u;
+  }
 #define COMM_UCP_RESOLVE(f)                                                  \
   u.f = reinterpret_cast<decltype(&::f)>(dlsym(lib, #f));                    \
-  if (!u.f && u.error.empty()) u.error = path + " has no " #f;
+  if (!u.f && u.error.empty()) u.error = u.found + " has no " #f;
   COMM_UCP_FUNCTIONS(COMM_UCP_RESOLVE)
 #undef COMM_UCP_RESOLVE
-  if (!u.error.empty()) return u;
-  unsigned major = 0, minor = 0, release = 0;
-  u.ucp_get_version(&major, &minor, &release);
-  // Built against UCP_API_*: an older library (Open MPI's wheel bundles one under the same
-  // soname, and whichever loads first wins) may lack what the headers promise.
-  if (major != UCP_API_MAJOR || minor < UCP_API_MINOR)
-    u.error = path + " is UCX " + std::to_string(major) + "." + std::to_string(minor) + "." +
-              std::to_string(release) + ", older than the " + std::to_string(UCP_API_MAJOR) + "." +
-              std::to_string(UCP_API_MINOR) + " the engine was built for (another UCX was loaded first?)";
   return u;
 }
 
@@ -292,6 +325,9 @@ void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part, size_t e
 void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_info_t* info) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  // Before 1.16 a receive that completes at once leaves `info` as it was (openucx/ucx#9425),
+  // and a length of 0 reads as a corrupt message: there every receive returns a request.
+  if (u_.minor < kUcxImmediateInfoMinor) p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   p.recv_info.tag_info = info;
   *info = {};
   void* r = u_.ucp_tag_recv_nbx(w_.h, buf, len, peer_tag_ | part, ~uint64_t{0}, &p);
@@ -575,9 +611,11 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   if (!std::getenv("UCX_TLS")) st = u_.ucp_config_modify(config, "TLS", "^cma");
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify: ") + u_.ucs_status_string(st));
   // UCX's TCP moves eager fragments of 8 KiB: a collective's chunks (512 KiB) then cost 64
-  // sends each. Larger segments, unless the user set them.
+  // sends each. Larger segments, unless the user set them. Before 1.17, ucp_config_modify
+  // accepts a transport's setting but no transport takes it (each worker then warns of
+  // "invalid configurations"): there the defaults stay.
   for (auto [name, value] : {std::pair{"TCP_TX_SEG_SIZE", "64k"}, std::pair{"TCP_RX_SEG_SIZE", "256k"}}) {
-    if (std::getenv((std::string("UCX_") + name).c_str())) continue;
+    if (u_.minor < kUcxTransportSettingsMinor || std::getenv((std::string("UCX_") + name).c_str())) continue;
     st = u_.ucp_config_modify(config, name, value);
     if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify ") + name + ": " + u_.ucs_status_string(st));
   }
@@ -585,7 +623,9 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   p.mt_workers_shared = 1;  // the two workers are driven by different threads
-  st = u_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, config, &ctx_);
+  // The floor's API: the engine uses nothing newer (an older library than the API asked for
+  // would warn).
+  st = u_.ucp_init_version(kUcxMajor, kUcxFloorMinor, &p, config, &ctx_);
   u_.ucp_config_release(config);
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_init: ") + u_.ucs_status_string(st));
   for (Worker& w : workers_) {
@@ -656,6 +696,11 @@ std::string UcxNet::describe() const {
 }  // namespace
 
 std::string ucx_unavailable(const NetOptions& opts) { return load_ucp(opts).error; }
+
+std::string ucx_library(const NetOptions& opts) {
+  const Ucp& u = load_ucp(opts);
+  return u.error.empty() ? u.found + ": supported (the engine runs on " + kRange + ")" : u.error;
+}
 
 std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
   const auto it = opts.find("endpoints");
