@@ -153,7 +153,7 @@ def test_unsupported_ucx_is_refused_naming_the_floor(tmp_path, kind):
 
 
 def test_the_floor_is_declared_alike():
-    """The engine's floor (ucx.cc), the [ucx] extra and the build requirement say one version."""
+    """The engine's floor (ucx_library.h), the [ucx] extra and the build requirement say one version."""
     from comm import _native
     from transports.ucx import UCXTransport
     library = _native.net_library("ucx", UCXTransport.net_options())

@@ -2,8 +2,8 @@
 // (shared memory and CMA on one host, TCP, InfiniBand / RoCE where present; UCX_TLS
 // chooses). libucp is loaded at run time (dlopen) from the library the Python side names
 // (the libucx wheel's), so the engine builds with UCX's headers alone and imports, and runs
-// every other transport, on machines without UCX. Any UCX 1.x from kUcxFloorMinor on will do
-// (see there): the version the headers of the build happen to have does not matter.
+// every other transport, on machines without UCX. Any UCX 1.x from the floor on will do
+// (ucx_library.h): the version the headers of the build happen to have does not matter.
 //
 // Per communicator: one UCP context and two workers, one per stream (collectives, send /
 // recv), each used by one thread at a time as the engine drives its streams. A channel is
@@ -22,19 +22,16 @@
 // message: UCX's own CMA transport stays off there (see UcxNet), so UCX alone would copy
 // twice through its shared-memory queue. A receiver that may not read the sender (ptrace
 // rules, another pid namespace) answers so, and the payload then travels through UCX.
-#include <dlfcn.h>
-#include <link.h>
 #include <unistd.h>
-#include <ucp/api/ucp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include "net.h"
+#include "ucx_library.h"
 
 namespace comm {
 
@@ -60,85 +57,6 @@ struct ReadOffer {
 constexpr size_t kMaxDrainBytes = size_t{256} << 20;
 // A clean close flushes each endpoint; a peer that stopped progressing cannot hold us longer.
 constexpr auto kCloseWait = std::chrono::milliseconds(500);
-
-// The oldest UCX the engine runs on is 1.kUcxFloorMinor; every newer 1.x will do. Every
-// function of the table below, and every field, flag and status the engine sets or reads,
-// has the same name, value and offset in UCX's headers from 1.14 to 1.22 (compared in the
-// libucx wheels' headers; UCX keeps its 1.x ABI, and an older library reads only the fields
-// a field mask names), and the engine asks ucp_init for the floor's API. 1.14 is the oldest
-// libucx wheel; tests/test_ucx_versions.py runs jobs on it. pyproject.toml pins the same floor.
-constexpr unsigned kUcxMajor = 1, kUcxFloorMinor = 14;
-static_assert(UCP_API_MAJOR == kUcxMajor && UCP_API_MINOR >= kUcxFloorMinor,
-              "UCX's headers are older than the floor the engine supports (ucx.cc: kUcxFloorMinor)");
-// Newer than the floor, so asked of the library's version: the first UCX that fills a
-// receive's information when it completes at once, and the first whose ucp_config_modify
-// reaches its transports' settings (UCX_TCP_*).
-constexpr unsigned kUcxImmediateInfoMinor = 16, kUcxTransportSettingsMinor = 17;
-const std::string kFloor = std::to_string(kUcxMajor) + "." + std::to_string(kUcxFloorMinor);
-const std::string kRange = "UCX " + kFloor + " or a newer " + std::to_string(kUcxMajor) + ".x";
-const std::string kPin = "pip install 'libucx-cu12>=" + kFloor + ",<" + std::to_string(kUcxMajor + 1) + "'";
-
-#define COMM_UCP_FUNCTIONS(X)                                                                  \
-  X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release) X(ucp_init_version)           \
-  X(ucp_cleanup) X(ucp_context_print_info) X(ucp_worker_create) X(ucp_worker_destroy)         \
-  X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
-  X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
-  X(ucp_tag_send_nbx) X(ucp_tag_recv_nbx) X(ucp_request_check_status)                         \
-  X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)
-
-// libucp's entry points, resolved once per library path.
-struct Ucp {
-#define COMM_UCP_POINTER(f) decltype(&::f) f = nullptr;
-  COMM_UCP_FUNCTIONS(COMM_UCP_POINTER)
-#undef COMM_UCP_POINTER
-  unsigned minor = 0;  // of its version (the major is kUcxMajor once it loaded)
-  std::string found;  // "UCX <version> (<file>)", once loaded
-  std::string error;  // why it cannot be used; empty when it can
-};
-
-const Ucp& load_ucp(const NetOptions& opts) {
-  static std::mutex mu;
-  static std::map<std::string, Ucp> loaded;
-  auto it = opts.find("library");
-  const std::string path = it != opts.end() ? it->second : "libucp.so.0";
-  std::lock_guard<std::mutex> lock(mu);
-  auto [at, fresh] = loaded.try_emplace(path);
-  Ucp& u = at->second;
-  if (!fresh) return u;
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // never closed: UCX keeps threads
-  if (!lib) {
-    u.error = std::string("cannot load ") + path + ": " + dlerror();
-    return u;
-  }
-  // The file the loader took (a soname resolves anywhere on the search path).
-  std::string file = path;
-  link_map* map = nullptr;
-  if (dlinfo(lib, RTLD_DI_LINKMAP, &map) == 0 && map && map->l_name && *map->l_name) file = map->l_name;
-  // The version before the rest: a library older than the floor may lack a function of the
-  // table, and its version says more than the missing name.
-  using GetVersion = decltype(&::ucp_get_version);
-  auto get_version = reinterpret_cast<GetVersion>(dlsym(lib, "ucp_get_version"));
-  if (!get_version) {
-    u.error = file + " has no ucp_get_version: it is not UCX's libucp";
-    return u;
-  }
-  unsigned major = 0, minor = 0, release = 0;
-  get_version(&major, &minor, &release);
-  u.minor = minor;
-  u.found = "UCX " + std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(release) + " (" + file + ")";
-  // Open MPI's wheel bundles a UCX of its own under the same sonames, and whichever loads
-  // first wins: the file named here says which one this is.
-  if (major != kUcxMajor || minor < kUcxFloorMinor) {
-    u.error = u.found + " is not supported: the engine runs on " + kRange + " (" + kPin + ")";
-    return u;
-  }
-#define COMM_UCP_RESOLVE(f)                                                  \
-  u.f = reinterpret_cast<decltype(&::f)>(dlsym(lib, #f));                    \
-  if (!u.f && u.error.empty()) u.error = u.found + " has no " #f;
-  COMM_UCP_FUNCTIONS(COMM_UCP_RESOLVE)
-#undef COMM_UCP_RESOLVE
-  return u;
-}
 
 // A UCX failure as the engine's error: truncation means the ranks disagree on a size,
 // a timeout is a timeout, anything else broke the connection to `peer`.
@@ -694,13 +612,6 @@ std::string UcxNet::describe() const {
 }
 
 }  // namespace
-
-std::string ucx_unavailable(const NetOptions& opts) { return load_ucp(opts).error; }
-
-std::string ucx_library(const NetOptions& opts) {
-  const Ucp& u = load_ucp(opts);
-  return u.error.empty() ? u.found + ": supported (the engine runs on " + kRange + ")" : u.error;
-}
 
 std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
   const auto it = opts.find("endpoints");
