@@ -62,7 +62,8 @@ def _ucx() -> list[str]:
         import libucx
     except ImportError as e:
         return [f"libucx is not installed ({e}); pip install libucx-cu12"]
-    lines = [f"libucx {libucx.__version__}", f"UCX_TLS={os.environ.get('UCX_TLS', '(unset: UCX chooses)')}"]
+    lines = [f"libucx {libucx.__version__}", _libucp(),
+             f"UCX_TLS={os.environ.get('UCX_TLS', '(unset: UCX chooses)')}"]
     ucx_info = os.path.join(os.path.dirname(libucx.__file__), "bin", "ucx_info")
     if not os.access(ucx_info, os.X_OK):
         return lines + ["ucx_info is not in the wheel: no device listing"]
@@ -80,6 +81,19 @@ def _ucx() -> list[str]:
             devices.setdefault(transport, []).append(value.strip())
     lines += [f"transport {t}: {', '.join(d)}" for t, d in devices.items()] or ["ucx_info lists no transport"]
     return lines
+
+
+def _libucp() -> str:
+    """The libucp the ucx transport loads: its version and file, and whether it is within the
+    range the engine runs on (the engine says, from what it loaded)."""
+    cls = _engine_transport("ucx")
+    if cls is None:
+        return "libucp: the ucx transport cannot be imported (see transports)"
+    from transports.native import _native
+    options = cls.net_options()
+    if _native is None or not options.get("library"):
+        return f"libucp: {cls.available()}"
+    return f"libucp: {_native.net_library('ucx', options)}"
 
 
 def _rdma() -> list[str]:

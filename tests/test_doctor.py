@@ -3,6 +3,7 @@ with why (the package hidden as on a machine without it); COMM_DEBUG=1 prints th
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -33,6 +34,10 @@ def test_every_section_and_what_is_here():
     if base.unavailable_reason("ucx") is None:
         assert "net ucx (library=" in out and "capabilities: host memory yes" in out, out
         assert "transport tcp:" in out, out   # ucx_info -d lists UCX's own transports
+        # the UCX found, where, and that it is in the engine's range (tests/test_ucx_versions.py
+        # runs older and unsupported ones)
+        assert re.search(r"\n  libucp: UCX 1\.\d+\.\d+ \(/\S*libucp\.so[.0-9]*\): supported \(the engine runs on "
+                         r"UCX 1\.\d+ or a newer 1\.x\)\n", out), out
 
 
 @pytest.mark.skipif(base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}")

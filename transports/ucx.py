@@ -3,9 +3,11 @@
 Every algorithm, persistent handle, the lean path, send/recv and the failure handling are the
 engine's (transports/native.py); what is UCX's is only where its library comes from. The
 engine loads libucp at run time from the libucx wheel (pip install libucx-cu12), which
-ucxx-cu12 also installs; UCX then picks its own transports (shared memory on one host, TCP,
-InfiniBand / RoCE where present; UCX_TLS chooses). On one host, large payloads are read by the
-receiver straight from the sender's buffer (native/CHANNELS.md), in place of UCX's own CMA.
+ucxx-cu12 also installs, holding it at an older release: any UCX from the engine's floor to
+the newest 1.x runs (native/src/ucx_library.h), another is refused naming that range. UCX
+then picks its own transports (shared memory on one host, TCP, InfiniBand / RoCE where
+present; UCX_TLS chooses). On one host, large payloads are read by the receiver straight
+from the sender's buffer (native/CHANNELS.md), in place of UCX's own CMA.
 """
 from __future__ import annotations
 

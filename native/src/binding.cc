@@ -615,6 +615,8 @@ NB_MODULE(_native, m) {
       "out[i] = input[i] * factor for a floating dtype (PREMUL_SUM inputs, AVG results); out may be input.");
   m.def("net_unavailable", &net_unavailable, nb::arg("name"), nb::arg("options"), release(),
         "Why net `name` cannot be opened here, or an empty string when it can.");
+  m.def("net_library", &net_library, nb::arg("name"), nb::arg("options"), release(),
+        "The library net `name` loads (version, file) and whether the engine supports it.");
   m.def(
       "net_describe",
       [](const std::string& name, const NetOptions& opts) {

@@ -9,11 +9,13 @@ struct NetEntry {
   const char* name;
   std::string (*unavailable)(const NetOptions&);
   std::unique_ptr<Net> (*open)(int rank, int size, const NetOptions&);
+  std::string (*library)(const NetOptions&);  // null: the net says nothing of its library
 };
 
 #ifdef COMM_HAVE_UCX
 std::string ucx_unavailable(const NetOptions& opts);
 std::unique_ptr<Net> open_ucx(int rank, int size, const NetOptions& opts);
+std::string ucx_library(const NetOptions& opts);
 #endif
 #ifdef COMM_HAVE_VERBS
 std::string verbs_unavailable(const NetOptions& opts);
@@ -24,12 +26,12 @@ namespace {
 
 constexpr NetEntry kNets[] = {
 #ifdef COMM_HAVE_UCX
-    {"ucx", ucx_unavailable, open_ucx},
+    {"ucx", ucx_unavailable, open_ucx, ucx_library},
 #endif
 #ifdef COMM_HAVE_VERBS
-    {"verbs", verbs_unavailable, open_verbs},
+    {"verbs", verbs_unavailable, open_verbs, nullptr},
 #endif
-    {nullptr, nullptr, nullptr},
+    {nullptr, nullptr, nullptr, nullptr},
 };
 
 // Nets left out of this build, and why (CMake says: the headers were not found).
@@ -56,6 +58,11 @@ std::string net_unavailable(const std::string& name, const NetOptions& opts) {
   for (const auto& s : kSkipped)
     if (s[0] && name == s[0]) return "the engine was built without it (" + std::string(s[1]) + ")";
   return "no net named '" + name + "' in the engine";
+}
+
+std::string net_library(const std::string& name, const NetOptions& opts) {
+  const NetEntry* e = find(name);
+  return e && e->library ? e->library(opts) : net_unavailable(name, opts);
 }
 
 std::unique_ptr<Net> open_net(const std::string& name, int rank, int size, const NetOptions& opts) {

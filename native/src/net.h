@@ -57,6 +57,9 @@ class Net {
 
 // Why net `name` cannot be opened here (not built, library missing or too old), or empty.
 std::string net_unavailable(const std::string& name, const NetOptions& opts);
+// The library net `name` loads: its version and file, and whether the engine supports it;
+// else why it cannot say (as net_unavailable).
+std::string net_library(const std::string& name, const NetOptions& opts);
 // Opens net `name` for `rank` of `size`; throws SYSTEM naming the cause when it cannot.
 std::unique_ptr<Net> open_net(const std::string& name, int rank, int size, const NetOptions& opts);
 

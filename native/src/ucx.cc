@@ -2,7 +2,8 @@
 // (shared memory and CMA on one host, TCP, InfiniBand / RoCE where present; UCX_TLS
 // chooses). libucp is loaded at run time (dlopen) from the library the Python side names
 // (the libucx wheel's), so the engine builds with UCX's headers alone and imports, and runs
-// every other transport, on machines without UCX.
+// every other transport, on machines without UCX. Any UCX 1.x from the floor on will do
+// (ucx_library.h): the version the headers of the build happen to have does not matter.
 //
 // Per communicator: one UCP context and two workers, one per stream (collectives, send /
 // recv), each used by one thread at a time as the engine drives its streams. A channel is
@@ -21,18 +22,16 @@
 // message: UCX's own CMA transport stays off there (see UcxNet), so UCX alone would copy
 // twice through its shared-memory queue. A receiver that may not read the sender (ptrace
 // rules, another pid namespace) answers so, and the payload then travels through UCX.
-#include <dlfcn.h>
 #include <unistd.h>
-#include <ucp/api/ucp.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 
 #include "net.h"
+#include "ucx_library.h"
 
 namespace comm {
 
@@ -58,54 +57,6 @@ struct ReadOffer {
 constexpr size_t kMaxDrainBytes = size_t{256} << 20;
 // A clean close flushes each endpoint; a peer that stopped progressing cannot hold us longer.
 constexpr auto kCloseWait = std::chrono::milliseconds(500);
-
-#define COMM_UCP_FUNCTIONS(X)                                                                  \
-  X(ucp_get_version) X(ucp_config_read) X(ucp_config_modify) X(ucp_config_release)             \
-  X(ucp_init_version)                                                                          \
-  X(ucp_cleanup) X(ucp_context_print_info) X(ucp_worker_create) X(ucp_worker_destroy)         \
-  X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
-  X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
-  X(ucp_tag_send_nbx) X(ucp_tag_recv_nbx) X(ucp_request_check_status)                         \
-  X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)
-
-// libucp's entry points, resolved once per library path.
-struct Ucp {
-#define COMM_UCP_POINTER(f) decltype(&::f) f = nullptr;
-  COMM_UCP_FUNCTIONS(COMM_UCP_POINTER)
-#undef COMM_UCP_POINTER
-  std::string error;  // why it cannot be used; empty when it can
-};
-
-const Ucp& load_ucp(const NetOptions& opts) {
-  static std::mutex mu;
-  static std::map<std::string, Ucp> loaded;
-  auto it = opts.find("library");
-  const std::string path = it != opts.end() ? it->second : "libucp.so.0";
-  std::lock_guard<std::mutex> lock(mu);
-  auto [at, fresh] = loaded.try_emplace(path);
-  Ucp& u = at->second;
-  if (!fresh) return u;
-  void* lib = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);  // never closed: UCX keeps threads
-  if (!lib) {
-    u.error = std::string("cannot load ") + path + ": " + dlerror();
-    return u;
-  }
-#define COMM_UCP_RESOLVE(f)                                                  \
-  u.f = reinterpret_cast<decltype(&::f)>(dlsym(lib, #f));                    \
-  if (!u.f && u.error.empty()) u.error = path + " has no " #f;
-  COMM_UCP_FUNCTIONS(COMM_UCP_RESOLVE)
-#undef COMM_UCP_RESOLVE
-  if (!u.error.empty()) return u;
-  unsigned major = 0, minor = 0, release = 0;
-  u.ucp_get_version(&major, &minor, &release);
-  // Built against UCP_API_*: an older library (Open MPI's wheel bundles one under the same
-  // soname, and whichever loads first wins) may lack what the headers promise.
-  if (major != UCP_API_MAJOR || minor < UCP_API_MINOR)
-    u.error = path + " is UCX " + std::to_string(major) + "." + std::to_string(minor) + "." +
-              std::to_string(release) + ", older than the " + std::to_string(UCP_API_MAJOR) + "." +
-              std::to_string(UCP_API_MINOR) + " the engine was built for (another UCX was loaded first?)";
-  return u;
-}
 
 // A UCX failure as the engine's error: truncation means the ranks disagree on a size,
 // a timeout is a timeout, anything else broke the connection to `peer`.
@@ -292,6 +243,9 @@ void* UcxChannel::post_send(const void* buf, size_t len, uint64_t part, size_t e
 void* UcxChannel::post_recv(void* buf, size_t len, uint64_t part, ucp_tag_recv_info_t* info) {
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_RECV_INFO;
+  // Before 1.16 a receive that completes at once leaves `info` as it was (openucx/ucx#9425),
+  // and a length of 0 reads as a corrupt message: there every receive returns a request.
+  if (u_.minor < kUcxImmediateInfoMinor) p.op_attr_mask |= UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
   p.recv_info.tag_info = info;
   *info = {};
   void* r = u_.ucp_tag_recv_nbx(w_.h, buf, len, peer_tag_ | part, ~uint64_t{0}, &p);
@@ -575,9 +529,11 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   if (!std::getenv("UCX_TLS")) st = u_.ucp_config_modify(config, "TLS", "^cma");
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify: ") + u_.ucs_status_string(st));
   // UCX's TCP moves eager fragments of 8 KiB: a collective's chunks (512 KiB) then cost 64
-  // sends each. Larger segments, unless the user set them.
+  // sends each. Larger segments, unless the user set them. Before 1.17, ucp_config_modify
+  // accepts a transport's setting but no transport takes it (each worker then warns of
+  // "invalid configurations"): there the defaults stay.
   for (auto [name, value] : {std::pair{"TCP_TX_SEG_SIZE", "64k"}, std::pair{"TCP_RX_SEG_SIZE", "256k"}}) {
-    if (std::getenv((std::string("UCX_") + name).c_str())) continue;
+    if (u_.minor < kUcxTransportSettingsMinor || std::getenv((std::string("UCX_") + name).c_str())) continue;
     st = u_.ucp_config_modify(config, name, value);
     if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_modify ") + name + ": " + u_.ucs_status_string(st));
   }
@@ -585,7 +541,9 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   p.mt_workers_shared = 1;  // the two workers are driven by different threads
-  st = u_.ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &p, config, &ctx_);
+  // The floor's API: the engine uses nothing newer (an older library than the API asked for
+  // would warn).
+  st = u_.ucp_init_version(kUcxMajor, kUcxFloorMinor, &p, config, &ctx_);
   u_.ucp_config_release(config);
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_init: ") + u_.ucs_status_string(st));
   for (Worker& w : workers_) {
@@ -654,8 +612,6 @@ std::string UcxNet::describe() const {
 }
 
 }  // namespace
-
-std::string ucx_unavailable(const NetOptions& opts) { return load_ucp(opts).error; }
 
 std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
   const auto it = opts.find("endpoints");
