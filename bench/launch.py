@@ -45,7 +45,8 @@ def placement() -> World:
     if place.rank is None or place.size is None:
         return World(0, 1, "127.0.0.1", rendezvous.free_port(), "single")
     if place.launcher in MPI_LAUNCHERS and (place.master_addr is None or place.master_port is None):
-        place = rendezvous.share_address_through_mpi(place)
+        from transports.mpi import share_address_through_mpi   # lazily: only this path needs MPI
+        place = share_address_through_mpi(place)
     addr = place.master_addr or "127.0.0.1"
     port = place.master_port if place.master_port is not None else rendezvous.DEFAULT_PORT
     return World(place.rank, place.size, addr, port, place.launcher)

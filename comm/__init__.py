@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 from . import config, log, rendezvous
@@ -14,7 +15,7 @@ from .buffers import Buffer
 from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
 from .store import Store
-from .elastic import Membership, join
+from .elastic import Membership
 from .errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
                      PeerFailure, Revoked, TransportUnavailable, from_os_error)
 from .types import DType, PremulSum, ReduceOp, premul_sum
@@ -109,7 +110,8 @@ def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Com
         raise InvalidArgument(f"timeout must be positive, got {timeout!r}", op="init")
     place = _placement(rank, world_size, master_addr, master_port)
     if place.launcher in ("openmpi", "hydra") and (place.master_addr is None or place.master_port is None):
-        place = rendezvous.share_address_through_mpi(place)
+        from transports.mpi import share_address_through_mpi   # lazily: only this path needs MPI
+        place = share_address_through_mpi(place)
     if place.size == 1:
         place.master_addr = place.master_addr or "127.0.0.1"
         place.master_port = place.master_port if place.master_port is not None else 0
@@ -155,3 +157,37 @@ def _init(rank, world_size, master_addr, master_port, transport, timeout) -> Com
         world.close()   # and the store it owns
         raise
 
+
+def join(address: str, timeout: float | None = None) -> Communicator:
+    """The newcomer's side of Communicator.grow(): join the survivors that published `address`
+    (their join_address()). timeout: seconds for the set-up (default COMM_TIMEOUT); after it
+    the communicator takes the survivors' timeout unless one was given here."""
+    try:
+        where, ticket = address.split("/", 1)
+        host, port = where.rsplit(":", 1)
+        port = int(port)
+    except ValueError:
+        raise InvalidArgument(f"join address {address!r} is not HOST:PORT/TICKET (from join_address())",
+                              op="join") from None
+    secret = config.get("COMM_SECRET")
+    wait = timeout or config.get("COMM_TIMEOUT")
+    store = Store(host, port, rank=-1, size=0, timeout=wait, secret=secret.encode() if secret else None,
+                  hello={"join": True})
+    try:
+        uid = store.rank = int(store.joined)
+        m = Membership(store, uid, rendezvous.bind_address(), wait)
+        info = json.loads(store.get(f"{ticket}/info"))
+        index = store.add(f"{ticket}/joiners", 1) - 1
+        if index >= info["count"]:
+            raise InvalidArgument(f"the survivors grow by {info['count']} processes, and that many have "
+                                  "joined already", rank=uid, op="join")
+        m.timeout = store.timeout = float(info["timeout"]) if timeout is None else wait
+        size = info["size"] + info["count"]
+        view = store.scoped(f"{ticket}/c", info["size"] + index, size)
+        new = connect(view, info["transport"], info["group"], owned_store=store)
+    except BaseException:
+        store.close()
+        raise
+    new.ranks = tuple(m.publish(view))
+    new.epoch = info["epoch"] + 1
+    return new

@@ -182,7 +182,7 @@ def _from_cuda_dlpack(x, op: str, device_id: int) -> Buffer:
     """A CUDA DLPack array. The capsule is read, not consumed: it stays in Buffer.obj, so the
     producer's deleter runs when the buffer is dropped. The producer orders its pending work
     before our current stream (the `stream` argument of the protocol)."""
-    from .staging import current_stream
+    from .gpu import current_stream
     stream = current_stream(device_id) or 1   # DLPack spells the legacy default stream 1
     try:
         capsule = x.__dlpack__(stream=stream)

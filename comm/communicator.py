@@ -21,7 +21,7 @@ import weakref
 from . import auth, config, elastic, log, rendezvous, vcollectives
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
-                     Revoked, TransportUnavailable, from_os_error)
+                     Revoked, TransportUnavailable, _integer, _many, from_os_error)
 from .flight_recorder import FlightRecorder
 from .ops import DONE, LEAN_BUSY, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
@@ -44,18 +44,6 @@ _ALL_GATHER, _REDUCE_SCATTER = int(OpKind.ALL_GATHER), int(OpKind.REDUCE_SCATTER
 _ALL_GATHER_V, _REDUCE_SCATTER_V = int(OpKind.ALL_GATHER_V), int(OpKind.REDUCE_SCATTER_V)
 _ALL_TO_ALL = int(OpKind.ALL_TO_ALL)
 _SKIPPED = object()   # _lean_call: the lean path did not take the call
-
-
-def _integer(v) -> int:
-    """v as an int: any integer type (numpy's too), but not bool or float (TypeError)."""
-    if isinstance(v, bool):
-        raise TypeError("bool is not an integer here")
-    return operator.index(v)
-
-
-def _many(n: int, one: str, more: str) -> str:
-    """'1 entry', '3 entries': a count in an error message."""
-    return f"{n} {one if n == 1 else more}"
 
 
 class Communicator:
@@ -690,12 +678,12 @@ class Communicator:
         without `exclude`, ranks removed on purpose, which do not call it), renumbered from 0 in
         the same order. Revokes this one. A rank silent for `timeout` (default: the
         communicator's) is declared failed; the store's host may be among the dead."""
-        return elastic.shrink(self, timeout, exclude)
+        return elastic.shrink(self, timeout, exclude, connect)
 
     def grow(self, count: int, *, timeout: float | None = None) -> "Communicator":
         """Collective: a new communicator of these ranks and `count` new processes, each of
         which calls comm.join(join_address()); they are numbered after the old ranks."""
-        return elastic.grow(self, count, timeout)
+        return elastic.grow(self, count, timeout, connect)
 
     def join_address(self) -> str:
         """The address new processes pass to comm.join() to take part in this grow()."""

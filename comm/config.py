@@ -16,6 +16,12 @@ from typing import Callable
 from .errors import InvalidArgument
 
 
+# The transports this library knows, each the module transports/<name>: the names COMM_TRANSPORT
+# and init(transport=) accept, and those transports.base's registry imports. Declared here, below
+# the transports, so that checking the variable needs no transport imported.
+TRANSPORTS = ("native", "mpi", "ucx", "nccl", "verbs")
+
+
 @dataclass(frozen=True)
 class Variable:
     name: str
@@ -68,13 +74,6 @@ def _seconds(allow_zero: bool) -> Callable[[str], float]:
     return parse
 
 
-def _transport(s: str) -> str:
-    from transports import base   # lazily: the registry imports comm
-    if s not in base.names():
-        raise ValueError(f"one of {', '.join(base.names())}")
-    return s
-
-
 def algorithm_names() -> dict[str, list[str]]:
     """The names COMM_ALGO may take, per transport that reads it: the engine's, which runs the
     algorithms of every engine transport."""
@@ -109,7 +108,7 @@ def _ifnames(s: str) -> str:
 
 
 VARIABLES: dict[str, Variable] = {v.name: v for v in [
-    Variable("COMM_TRANSPORT", "native", "Transport used by init(transport='auto'): native, mpi, ucx, nccl, verbs.", _transport),
+    Variable("COMM_TRANSPORT", "native", f"Transport used by init(transport='auto'): {', '.join(TRANSPORTS)}.", _one_of(*TRANSPORTS)),
     Variable("COMM_TIMEOUT", "300", "Seconds every operation may take before CommTimeout (also init's default).", _seconds(False)),
     Variable("COMM_ALGO", "", "Force an algorithm where one of that name fits (native, ucx, verbs: the engine's): ring, tree, rd (recursive doubling), direct and cma (shared memory), linear, pairwise, dissemination, twolevel (across hosts: shared memory inside each), or flat (the automatic choice without twolevel). Empty: choose by size and topology. Any other name is an error.", lambda s: _algo(s) if s else None),
     Variable("COMM_CHANNELS", "auto", "Native channels: auto (shared memory inside a host, TCP across), or tcp (TCP only).", _one_of("auto", "tcp")),

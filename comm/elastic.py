@@ -244,8 +244,9 @@ def _fingerprint(ranks) -> int:
     return (crc << 31) | (~crc & 0x7FFFFFFF)
 
 
-def shrink(world, timeout: float | None, exclude) -> "object":
-    from .communicator import connect
+def shrink(world, timeout: float | None, exclude, connect) -> "object":
+    """`connect` is comm.communicator.connect, passed down by Communicator.shrink: this module
+    stands below the communicator and never imports it."""
     if _ulfm(world, "shrink"):
         return _shrink_ulfm(world, timeout, exclude)
     m = membership(world, "shrink")
@@ -291,7 +292,6 @@ def shrink(world, timeout: float | None, exclude) -> "object":
 def _shrink_ulfm(world, timeout, exclude):
     """shrink through the library (MPIX_Comm_shrink): every live rank takes part, so no rank
     can be left out on purpose."""
-    from .communicator import Communicator
     if list(exclude):
         raise InvalidArgument(f"exclude is not available on transport {world.transport!r}: its library "
                               "shrinks to every live rank, and a live rank that does not call shrink "
@@ -301,7 +301,7 @@ def _shrink_ulfm(world, timeout, exclude):
     # the new group's store keys live under this shrink's own name
     ctx = world._child_context(kept, _key(world, "shrink"), world._ctx.group_name)
     world._failed_ranks = [r for r in range(world.size) if r not in kept]
-    return _succeed(world, Communicator(transport, ctx, ranks=tuple(world.ranks[r] for r in kept)))
+    return _succeed(world, type(world)(transport, ctx, ranks=tuple(world.ranks[r] for r in kept)))
 
 
 def _succeed(old, new):
@@ -317,8 +317,8 @@ def join_address(world) -> str:
     return f"{host}:{port}/{world._ctx.group_name}@{world.epoch}/grow"
 
 
-def grow(world, count: int, timeout: float | None):
-    from .communicator import connect
+def grow(world, count: int, timeout: float | None, connect):
+    """`connect`: as for shrink."""
     m = membership(world, "grow")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise InvalidArgument(f"count must be a positive int, got {count!r}", rank=world.rank, op="grow")
@@ -333,41 +333,6 @@ def grow(world, count: int, timeout: float | None):
     new = connect(store, world.transport, world._ctx.group_name)
     new.ranks = tuple(m.publish(store))
     return _succeed(world, new)
-
-
-def join(address: str, timeout: float | None = None):
-    """The newcomer's side of grow(): join the survivors that published `address`."""
-    from . import config, rendezvous
-    from .communicator import connect
-    try:
-        where, ticket = address.split("/", 1)
-        host, port = where.rsplit(":", 1)
-        port = int(port)
-    except ValueError:
-        raise InvalidArgument(f"join address {address!r} is not HOST:PORT/TICKET (from join_address())",
-                              op="join") from None
-    secret = config.get("COMM_SECRET")
-    wait = timeout or config.get("COMM_TIMEOUT")
-    store = Store(host, port, rank=-1, size=0, timeout=wait, secret=secret.encode() if secret else None,
-                  hello={"join": True})
-    try:
-        uid = store.rank = int(store.joined)
-        m = Membership(store, uid, rendezvous.bind_address(), wait)
-        info = json.loads(store.get(f"{ticket}/info"))
-        index = store.add(f"{ticket}/joiners", 1) - 1
-        if index >= info["count"]:
-            raise InvalidArgument(f"the survivors grow by {info['count']} processes, and that many have "
-                                  "joined already", rank=uid, op="join")
-        m.timeout = store.timeout = float(info["timeout"]) if timeout is None else wait
-        size = info["size"] + info["count"]
-        view = store.scoped(f"{ticket}/c", info["size"] + index, size)
-        new = connect(view, info["transport"], info["group"], owned_store=store)
-    except BaseException:
-        store.close()
-        raise
-    new.ranks = tuple(m.publish(view))
-    new.epoch = info["epoch"] + 1
-    return new
 
 
 def revoke(world) -> None:

@@ -1,7 +1,9 @@
-"""The error hierarchy. Every error names the rank, the operation and the cause."""
+"""The error hierarchy. Every error names the rank, the operation and the cause; and the two
+helpers argument checks word their errors with."""
 from __future__ import annotations
 
 import errno
+import operator
 
 
 class CommError(RuntimeError):
@@ -86,3 +88,15 @@ class Mismatch(CommError):
 
 class TransportUnavailable(CommError):
     """The transport asked for cannot run here (missing library or device)."""
+
+
+def _integer(v) -> int:
+    """v as an int: any integer type (numpy's too), but not bool or float (TypeError)."""
+    if isinstance(v, bool):
+        raise TypeError("bool is not an integer here")
+    return operator.index(v)
+
+
+def _many(n: int, one: str, more: str) -> str:
+    """'1 entry', '3 entries': a count in an error message."""
+    return f"{n} {one if n == 1 else more}"

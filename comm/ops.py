@@ -108,3 +108,20 @@ DONE = CompletedRequest()
 
 # What a transport's lean path (run_array, see transports/base.py) did with a call.
 LEAN_SKIPPED, LEAN_BUSY = 0, 2
+
+
+def held_buffers(desc: OpDesc):
+    """(array, buffer, written, name) for each buffer of desc: what a persistent operation's
+    start must re-check (comm.persistent, and the engine's prepared ops). The array is the object that owns the memory (for DLPack imports, numpy's view of it)."""
+    bufs = []
+    if desc.kind is OpKind.BROADCAST:
+        bufs.append((desc.recv, True, "buffer"))
+    else:
+        if desc.send is not None:
+            bufs.append((desc.send, False, "input"))
+        if desc.recv is not None and desc.recv is not desc.send:
+            bufs.append((desc.recv, True, "output"))
+        elif desc.recv is not None:  # in place: the input is written too
+            bufs[-1] = (desc.recv, True, "input")
+    return [(b.obj[0] if type(b.obj) is tuple else b.obj, b, written, what)
+            for b, written, what in bufs]

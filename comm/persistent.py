@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .buffers import as_buffer
 from .errors import InvalidArgument
-from .ops import OpDesc, OpKind
+from .ops import OpDesc, held_buffers
 from .work import Work
 
 
@@ -124,23 +124,6 @@ class Persistent:
         if self._work is not None:
             raise InvalidArgument("already started: wait() before starting it again",
                                   rank=self._comm.rank, op=self._label)
-
-
-def held_buffers(desc: OpDesc):
-    """(array, buffer, written, name) for each buffer of desc: what a start must re-check.
-    The array is the object that owns the memory (for DLPack imports, numpy's view of it)."""
-    bufs = []
-    if desc.kind is OpKind.BROADCAST:
-        bufs.append((desc.recv, True, "buffer"))
-    else:
-        if desc.send is not None:
-            bufs.append((desc.send, False, "input"))
-        if desc.recv is not None and desc.recv is not desc.send:
-            bufs.append((desc.recv, True, "output"))
-        elif desc.recv is not None:  # in place: the input is written too
-            bufs[-1] = (desc.recv, True, "input")
-    return [(b.obj[0] if type(b.obj) is tuple else b.obj, b, written, what)
-            for b, written, what in bufs]
 
 
 class _Reposted:

@@ -141,24 +141,6 @@ def detect(env: dict | None = None) -> Placement:
     return Placement(*(None,) * 2, None, *_master(env))
 
 
-def share_address_through_mpi(placement: Placement) -> Placement:
-    """Under mpirun without MASTER_ADDR: rank 0 picks its address and a free port, and mpi4py
-    broadcasts them. Without mpi4py the user must set MASTER_ADDR/MASTER_PORT."""
-    try:
-        from transports.mpi import load_mpi   # loads MPI without breaking ucxx (see there)
-        MPI = load_mpi()
-    except ImportError:
-        raise InvalidArgument("launched by mpirun without MASTER_ADDR/MASTER_PORT; set them, or "
-                              "install mpi4py so rank 0 can share its address", op="init",
-                              rank=placement.rank) from None
-    addr = port = None
-    if MPI.COMM_WORLD.Get_rank() == 0:
-        addr = placement.master_addr or routable_address()
-        port = placement.master_port or free_port()
-    placement.master_addr, placement.master_port = MPI.COMM_WORLD.bcast((addr, port), root=0)
-    return placement
-
-
 def listen_socket(addr: str) -> socket.socket:
     """A TCP socket of the family of `addr` (IPv4 or IPv6), not yet bound."""
     return socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET, socket.SOCK_STREAM)

@@ -10,7 +10,7 @@ locally is refused here with InvalidArgument before anything is sent.
 from __future__ import annotations
 
 from .buffers import Buffer
-from .errors import TransportUnavailable
+from .errors import TransportUnavailable, _integer, _many
 from .ops import OpDesc, OpKind
 
 
@@ -21,7 +21,6 @@ def _transport_has(c, kind: OpKind) -> None:
 
 
 def _counts(c, name: str, counts) -> tuple[int, ...]:
-    from .communicator import _integer, _many
     try:  # integers of any kind (numpy's too); a float or bool is a bug, never a row count
         counts = tuple(map(_integer, counts))
     except TypeError:

@@ -96,14 +96,14 @@ def test_device_choice_one_visible_gpu_current_device_local_rank():
 
 
 def test_gpu_records_round_trip_with_binary_payload():
-    from comm import staging
+    from comm import gpu
     uid = bytes(range(256))[:128]                  # a unique id may hold any byte, "|" included
-    assert staging.decode_record(staging.encode_record("0000:3b:00.0", None, uid)) == ("0000:3b:00.0", None, uid)
-    assert staging.decode_record(staging.encode_record(None, "no CUDA device")) == (None, "no CUDA device", b"")
+    assert gpu.decode_record(gpu.encode_record("0000:3b:00.0", None, uid)) == ("0000:3b:00.0", None, uid)
+    assert gpu.decode_record(gpu.encode_record(None, "no CUDA device")) == (None, "no CUDA device", b"")
 
 
 def test_gpu_problem_names_failed_ranks_then_shared_gpus():
-    from comm.staging import gpu_problem
+    from comm.gpu import gpu_problem
     ok = [("0000:3b:00.0", None, b""), ("0000:5e:00.0", None, b"")]
     assert gpu_problem(ok) is None
     failed = gpu_problem([ok[0], (None, "local rank 1 would take CUDA device 1", b"")])
@@ -113,9 +113,9 @@ def test_gpu_problem_names_failed_ranks_then_shared_gpus():
 
 
 def _agree(world):
-    from comm import staging
+    from comm import gpu, staging
     chosen = staging.cuda_transport(world._ctx.store.scoped("cuda-agree"), "native", None)
-    return chosen, [n for n in staging._noticed if "pinned host memory over the native" in n]
+    return chosen, [n for n in gpu._noticed if "pinned host memory over the native" in n]
 
 
 @pytest.mark.skipif(NCCL_REASON is None, reason="nccl can run here: this checks the fallback without it")

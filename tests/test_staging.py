@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm import staging
+from comm import gpu, staging
 from comm.buffers import as_buffer
 from comm.ops import OpDesc, OpKind
 
@@ -24,10 +24,10 @@ class CudaArray:
 
 
 def _gpu_reason() -> str | None:
-    if staging._cudart is None:
-        return staging.NO_BINDINGS
-    err, n = staging._cudart.cudaGetDeviceCount()
-    return None if err == staging._cudart.cudaError_t.cudaSuccess and n else "no CUDA device here"
+    if gpu._cudart is None:
+        return gpu.NO_BINDINGS
+    err, n = gpu._cudart.cudaGetDeviceCount()
+    return None if err == gpu._cudart.cudaError_t.cudaSuccess and n else "no CUDA device here"
 
 
 GPU_REASON = _gpu_reason()

@@ -2,7 +2,8 @@
 
 A transport gets one fully validated operation descriptor (`OpDesc`) per call and returns a
 `Request`. `comm.Communicator` does all argument checking; transports assume valid input.
-Adding a transport: one module that subclasses `Transport` and calls `register(cls)`.
+Adding a transport: one module that subclasses `Transport` and calls `register(cls)`, and
+its name in `comm.config.TRANSPORTS`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 import time
 from typing import ClassVar
 
+from comm import config
 from comm.errors import CommError, TransportUnavailable
 from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
                       Request)  # the protocol's types
@@ -139,8 +141,7 @@ def poll_until(done, timeout: float | None, timed_out) -> None:
 
 
 _REGISTRY: dict[str, type[Transport]] = {}
-_MODULES = {"native": "transports.native", "mpi": "transports.mpi", "ucx": "transports.ucx",
-            "nccl": "transports.nccl", "verbs": "transports.verbs"}
+_MODULES = {name: f"transports.{name}" for name in config.TRANSPORTS}
 
 
 def register(cls: type[Transport]) -> type[Transport]:

@@ -25,7 +25,7 @@ import os
 
 import numpy as np
 
-from comm import _native, config
+from comm import _native, config, rendezvous
 from comm.buffers import Buffer
 from comm.errors import (
     Aborted,
@@ -172,6 +172,23 @@ def load_mpi():
         _TYPES.update(types)
         _OPS.update(ops)
     return MPI
+
+
+def share_address_through_mpi(placement: rendezvous.Placement) -> rendezvous.Placement:
+    """Under mpirun without MASTER_ADDR: rank 0 picks its address and a free port, and mpi4py
+    broadcasts them. Without mpi4py the user must set MASTER_ADDR/MASTER_PORT."""
+    try:
+        MPI = load_mpi()
+    except ImportError:
+        raise InvalidArgument("launched by mpirun without MASTER_ADDR/MASTER_PORT; set them, or "
+                              "install mpi4py so rank 0 can share its address", op="init",
+                              rank=placement.rank) from None
+    addr = port = None
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        addr = placement.master_addr or rendezvous.routable_address()
+        port = placement.master_port or rendezvous.free_port()
+    placement.master_addr, placement.master_port = MPI.COMM_WORLD.bcast((addr, port), root=0)
+    return placement
 
 
 class MPITransport(Transport):

@@ -31,8 +31,7 @@ import time
 from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, Revoked, TransportUnavailable)
-from comm.ops import LEAN_BUSY, LEAN_SKIPPED
-from comm.persistent import held_buffers
+from comm.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
 from comm.types import DType, ReduceOp, op_allowed
 from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,

@@ -33,11 +33,11 @@ import sys
 
 import numpy as np
 
-from comm import staging
+from comm import gpu
 from comm.buffers import Buffer
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                          TransportUnavailable)
-from comm.staging import cuda_check as _cuda_check
+from comm.gpu import cuda_check as _cuda_check
 from comm.types import DType, ReduceOp
 
 from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, poll_until, register
@@ -160,7 +160,7 @@ class NcclRequest(Request):
         if event is not None:
             device = self._transport._device
             _cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
-            _cuda_check(_cudart.cudaStreamWaitEvent(staging.current_stream(device), event, 0),
+            _cuda_check(_cudart.cudaStreamWaitEvent(gpu.current_stream(device), event, 0),
                         "cudaStreamWaitEvent")
 
     def wait(self, timeout: float | None = None) -> None:
@@ -229,16 +229,16 @@ class NcclTransport(Transport):
             device = ctx.options.get("cuda_device")
             if device is None:
                 device = cls._local_device(ctx)
-            bus = staging.pci_bus_id(device)
+            bus = gpu.pci_bus_id(device)
             if ctx.rank == 0:
                 uid = bytes(cls._nccl_call(_nccl.get_unique_id, 0, "init"))
         except CommError as e:
             why = e.cause
         # Everyone learns everyone's GPU (or failure) before anyone enters NCCL: a rank that
         # failed here would otherwise leave the others in ncclCommInitRank for ever.
-        records = [staging.decode_record(r) for r in
-                   ctx.store.all_gather("nccl/gpus", staging.encode_record(bus, why, uid))]
-        problem = staging.gpu_problem(records)
+        records = [gpu.decode_record(r) for r in
+                   ctx.store.all_gather("nccl/gpus", gpu.encode_record(bus, why, uid))]
+        problem = gpu.gpu_problem(records)
         if problem is not None:
             raise TransportUnavailable(f"nccl cannot start: {problem}", rank=ctx.rank, op="init")
         raw_uid = bytearray(records[0][2])   # from_buffer wraps this memory: keep it alive
@@ -317,7 +317,7 @@ class NcclTransport(Transport):
         _cuda_check(_cudart.cudaSetDevice(self._device), "cudaSetDevice")
         # The internal stream starts where the caller's current stream is now (the inputs'
         # producers are before this point), as torch's NCCL backend does.
-        _cuda_check(_cudart.cudaEventRecord(self._ready, staging.current_stream(self._device)), "cudaEventRecord")
+        _cuda_check(_cudart.cudaEventRecord(self._ready, gpu.current_stream(self._device)), "cudaEventRecord")
         _cuda_check(_cudart.cudaStreamWaitEvent(self._stream, self._ready, 0), "cudaStreamWaitEvent")
         keep, premul_ops = [desc.send, desc.recv], []
         self._record_stream(keep)

@@ -18,8 +18,8 @@ def _torch_group(rank: int, size: int):
 
 def _staged_notice() -> list[str]:
     """The notices saying CUDA tensors took the staged path (printed once per process)."""
-    from comm import staging
-    return [n for n in staging._noticed if "pinned host memory over the" in n]
+    from comm import gpu
+    return [n for n in gpu._noticed if "pinned host memory over the" in n]
 
 
 def nccl_shared_gpu(rank: int, size: int) -> tuple[str, float]:
