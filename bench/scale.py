@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _model(args) -> int:
     from . import scale_model
-    return scale_model.main(args)
+    return scale_model.main(args, run_shape)
 
 
 def _runs(args) -> int:

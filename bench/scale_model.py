@@ -381,10 +381,10 @@ def report(f: Fit, rows: list[dict], dropped: dict) -> str:
     return "\n".join(out)
 
 
-def main(args) -> int:
+def main(args, run_shape) -> int:
+    """The model's report; run_shape is bench.scale's (the real runs the fit is made from)."""
     import json
     from .cluster import unavailable
-    from .scale import run_shape
     measured = []
     if args.measured:
         with open(args.measured) as fh:
