@@ -24,14 +24,12 @@ _REPLY = struct.Struct("!BI")  # status, reply length (comm.store's reply header
 
 
 class _Gather:
-    __slots__ = ("size", "values", "missing", "waiting", "cost")
+    __slots__ = ("size", "missing", "waiting")
 
-    def __init__(self, size: int) -> None:
-        self.size, self.missing = size, size
-        self.values: list[bytes | None] = [None] * size
-        # members still owed a reply: their connection -> (deadline, uids watched, their uid)
+    def __init__(self, size: int, missing: set[int]) -> None:
+        self.size, self.missing = size, missing
+        # members owed a reply: their connection -> (deadline, uids watched, their uid)
         self.waiting: dict[socket.socket, tuple[float, list[int], int]] = {}
-        self.cost = 0
 
 
 def pack_reply(values: list[bytes]) -> bytes:
@@ -48,19 +46,22 @@ def unpack_reply(reply: bytes) -> list[bytes]:
 class Gathers:
     """The gathers of one store host. Every method but the writer's own runs with `lock` held.
 
+    A member's value is the host's key "<gather key>/<member>" (set by the host before
+    contribute()), so a gather is the old set-then-get-every-key in one round trip, and any
+    client may still read a member's value with a get. values(key, size) reads them back.
     verdict(uid, watch) answers for a waiting member when its wait must end early (the job
     failed, the host closed, the member was excluded, or a watched uid left): (status, reply)
-    or None. timed_out(key, missing) is the reply text of a member whose deadline passed."""
+    or None. timed_out(key, missing, size) is the reply text of a member whose deadline passed."""
 
-    def __init__(self, lock, verdict: Callable[[int, list[int]], tuple[int, bytes] | None],
+    def __init__(self, lock, values: Callable[[str, int], list[bytes]],
+                 verdict: Callable[[int, list[int]], tuple[int, bytes] | None],
                  timed_out: Callable[[str, list[int], int], bytes], timeout_status: int,
                  ok_status: int, busy: Callable[[int], None]) -> None:
         self._lock = lock
-        self._verdict, self._timed_out = verdict, timed_out
+        self._values, self._verdict, self._timed_out = values, verdict, timed_out
         self._timeout_status, self._ok = timeout_status, ok_status
         self._busy = busy   # counts what is queued and not yet sent (the host's close waits for it)
         self._open: dict[str, _Gather] = {}
-        self.total = 0   # bytes held by open gathers (the host's MAX_TOTAL counts them)
         # replies not yet sent; the writer sends with the lock held (MSG_DONTWAIT: never long),
         # so a connection forget() dropped is never written to after
         self._outbox: dict[socket.socket, collections.deque] = {}
@@ -69,33 +70,35 @@ class Gathers:
         self._stopped = False
         threading.Thread(target=self._writer, name="comm-store-replies", daemon=True).start()
 
-    def contribute(self, sock, key: str, member: int, size: int, payload: bytes, watch: list[int],
-                   uid: int, deadline: float) -> str | None:
-        """Member `member` of a group of `size` gives `payload` for gather `key`. None: the reply
-        will come from the writer; else the disagreement to answer now."""
+    def contribute(self, sock, key: str, member: int, size: int, watch: list[int], uid: int,
+                   deadline: float, present: Callable[[int], bool]) -> str | None:
+        """Member `member` of a group of `size` waits for gather `key` (its value is set);
+        present(m): member m's value is set. None: the reply will come from the writer; else
+        the disagreement to answer now."""
         g = self._open.get(key)
-        if g is None:
-            g = self._open[key] = _Gather(size)
+        if g is None:   # values set before the gather opened (a plain set of a member's key) count
+            g = self._open[key] = _Gather(size, {m for m in range(size) if not present(m)})
         if g.size != size:
             return f"ranks disagree on the size of the group gathering {key!r}: {g.size} and {size}"
-        if g.values[member] is not None:
-            return f"two processes gave member {member} of the gather {key!r}"
-        g.values[member] = payload
-        g.cost += len(payload)
-        self.total += len(payload)
-        g.missing -= 1
         g.waiting[sock] = (deadline, watch, uid)
-        if g.missing == 0:
-            reply = pack_reply(g.values)
-            for s in g.waiting:
-                self._queue(s, self._ok, reply)
-            del self._open[key]
-            self.total -= g.cost
-            self._poke()
-        elif deadline < self._next_sweep:
+        self.arrived(key, member)
+        if key in self._open and deadline < self._next_sweep:
             self._next_sweep = deadline
             self._poke()
         return None
+
+    def arrived(self, key: str, member: int) -> None:
+        """Member `member`'s value for gather `key` is set (by contribute, or a plain set)."""
+        g = self._open.get(key)
+        if g is None:
+            return
+        g.missing.discard(member)
+        if not g.missing:
+            reply = pack_reply(self._values(key, g.size))
+            for s in g.waiting:
+                self._queue(s, self._ok, reply)
+            del self._open[key]
+            self._poke()
 
     def wake(self) -> None:
         """Something a waiting member's verdict depends on changed: look at every one now (what
@@ -137,8 +140,7 @@ class Gathers:
             for s, (deadline, watch, uid) in list(g.waiting.items()):
                 answer = self._verdict(uid, watch) if everyone or deadline <= now else None
                 if answer is None and deadline <= now:
-                    missing = [m for m, v in enumerate(g.values) if v is None]
-                    answer = self._timeout_status, self._timed_out(key, missing, g.size)
+                    answer = self._timeout_status, self._timed_out(key, sorted(g.missing), g.size)
                 if answer is None:
                     self._next_sweep = min(self._next_sweep, deadline)
                     continue
@@ -146,7 +148,6 @@ class Gathers:
                 self._queue(s, *answer)
             if not g.waiting:   # nobody waits for it any more: the host forgets it
                 del self._open[key]
-                self.total -= g.cost
 
     def _writer(self) -> None:
         while True:

@@ -90,8 +90,8 @@ class StoreServer:
         self._total = 0
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
-        self._gathers = Gathers(self._lock, self._gather_verdict, self._gather_timed_out, _TIMEOUT, _OK,
-                                self._count_busy)
+        self._gathers = Gathers(self._lock, lambda key, size: [self._data[f"{key}/{m}"] for m in range(size)],
+                                self._gather_verdict, self._gather_timed_out, _TIMEOUT, _OK, self._count_busy)
         self._closed = False
         self._failure: str | None = None        # a disagreement: the answer to every request
         self._joined: dict[int, str] = {}        # rank -> address it came from (ever joined)
@@ -366,7 +366,11 @@ class StoreServer:
             if op == _AGREE:
                 return self._agreement(key, rank, value, min(timeout, self._timeout))
             if op == _SET:
-                return self._store(key, value)
+                gather, _, member = key.rpartition("/")
+                answer = self._store(key, value)
+                if answer[0] == _OK and member.isdigit():   # a member's value of a gather under way
+                    self._gathers.arrived(gather, int(member))
+                return answer
             if op == _ADD:
                 n = int.from_bytes(self._data.get(key, b"\0" * 8), "little", signed=True)
                 n += int.from_bytes(value[:8].ljust(8, b"\0"), "little", signed=True)
@@ -404,11 +408,11 @@ class StoreServer:
             refused = self._refusal(uid)
             if refused is not None:
                 return refused
-            if self._total + self._gathers.total + len(payload) > MAX_TOTAL:
-                return _REFUSED, (f"the rendezvous store is full ({MAX_TOTAL >> 20} MiB); "
-                                  "bootstrap data should be small").encode()
-            error = self._gathers.contribute(sock, key, member, size, payload, watch, uid,
-                                             time.monotonic() + timeout)
+            status, reply = self._store(f"{key}/{member}", payload)
+            if status != _OK:
+                return status, reply
+            error = self._gathers.contribute(sock, key, member, size, watch, uid, time.monotonic() + timeout,
+                                             lambda m: f"{key}/{m}" in self._data)
             return None if error is None else (_MISMATCH, error.encode())
 
     def _gather_verdict(self, uid: int, watch: list[int]) -> tuple[int, bytes] | None:
