@@ -22,8 +22,11 @@ import sys
 import threading
 import time
 
-OUTDIR, TRANSPORT, T0, ITERS = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
-SWEEP = "--sweep" in sys.argv[5:]
+if __name__ == "__main__":
+    OUTDIR, TRANSPORT, T0, ITERS = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+    SWEEP = "--sweep" in sys.argv[5:]
+else:   # imported, not run (the test suite imports every module): nothing to do
+    OUTDIR, TRANSPORT, T0, ITERS, SWEEP = "", "native", 0.0, 0, False
 STEADY = 1 << 20                  # bytes of the steady-state all_reduce
 SMALL = 1024                      # float32 elements per block of the other collectives
 PAIR_SIZES = [8, 1 << 10, 16 << 10, 128 << 10, 1 << 20, 4 << 20, 16 << 20]
@@ -39,7 +42,8 @@ def _watch_parent() -> None:
     os._exit(3)
 
 
-threading.Thread(target=_watch_parent, daemon=True).start()
+if __name__ == "__main__":
+    threading.Thread(target=_watch_parent, daemon=True).start()
 
 import numpy as np  # noqa: E402
 
