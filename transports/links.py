@@ -23,6 +23,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 
 from comm import auth
 from comm.errors import Closed, CommError, CommTimeout, PeerFailure
@@ -176,6 +177,18 @@ class Links:
                     raise Closed("the communicator is closed", rank=self._ctx.rank, op=op)
                 if not self._wait(deadline):
                     raise self._late(peer, op)
+
+    def connector(self):
+        """The engine's connector (Engine.set_connector). It holds this object weakly: the engine
+        must not keep its own Links alive, or neither is ever freed (a reference from C++ is
+        invisible to Python's garbage collector)."""
+        ref = weakref.ref(self)
+        closed = self._to_code(Closed("", rank=self._ctx.rank)), "the communicator is closed"
+
+        def connect(peer: int):
+            links = ref()
+            return closed if links is None else links.on_demand(peer)
+        return connect
 
     def on_demand(self, peer: int):
         """The engine's connector: None once connected, else (error code, message)."""

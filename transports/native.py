@@ -26,6 +26,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 
 from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
@@ -200,7 +201,9 @@ class NativeTransport(Transport):
             if lazy:
                 self._links = Links(ctx, listener, infos, token, set(local), engine, _code)
                 listener = None  # the links accept for the communicator's lifetime
-                engine.set_connector(self._links.on_demand)
+                engine.set_connector(self._links.connector())
+                # A communicator dropped without close(): its acceptor thread ends with it.
+                weakref.finalize(self, self._links.close)
                 self._links.connect_planned(peers, time.monotonic() + ctx.timeout)
                 socks = {}
             else:
@@ -420,6 +423,7 @@ class NativeTransport(Transport):
         self._engine.forget_after_fork()
         if self._links is not None:
             self._links.forget()
+            self._engine.set_connector(None)
 
 
 register(NativeTransport)
