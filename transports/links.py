@@ -121,6 +121,7 @@ class Links:
         self._pending: dict[socket.socket, float] = {}  # handshakes in progress -> their deadline
         self._refused = 0
         self._closed = False
+        self._handshakes: set[threading.Thread] = set()  # running: close() waits for them
         self._wake_r, self._wake_w = socket.socketpair()
         listener.setblocking(False)
         self._thread = threading.Thread(target=self._serve, daemon=True, name=f"comm-accept-{ctx.rank}")
@@ -275,10 +276,19 @@ class Links:
                     s.close()
                     continue
                 self._pending[s] = time.monotonic() + HANDSHAKE_S
-            threading.Thread(target=self._handshake, args=(s,), daemon=True,
-                             name=f"comm-handshake-{self._ctx.rank}").start()
+                t = threading.Thread(target=self._handshake, args=(s,), daemon=True,
+                                     name=f"comm-handshake-{self._ctx.rank}")
+                self._handshakes.add(t)
+            t.start()
 
     def _handshake(self, s: socket.socket) -> None:
+        try:
+            self._admit(s)
+        finally:
+            with self._cond:
+                self._handshakes.discard(threading.current_thread())
+
+    def _admit(self, s: socket.socket) -> None:
         ctx = self._ctx
         try:
             auth.server_handshake(s, ctx.secret, HANDSHAKE_S)
@@ -353,6 +363,10 @@ class Links:
             self._wake_w.send(b"!")
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        with self._cond:   # each was woken above, or ends within its handshake deadline
+            running = list(self._handshakes)
+        for t in running:
+            t.join(timeout=HANDSHAKE_S)
         for s in (self._listener, self._wake_r, self._wake_w):
             s.close()
 
