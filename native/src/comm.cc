@@ -121,8 +121,8 @@ void Comm::register_peer(int peer, int monitor_fd, std::unique_ptr<Channel> coll
       if (monitor_fd >= 0) ::close(monitor_fd);
       fail(ErrorCode::INVALID_ARGUMENT, peer, "rank " + std::to_string(peer) + " is connected already");
     }
+    p.p2p = std::move(p2p);  // before coll: a post that sees coll finds the p2p channel too
     p.coll = std::move(coll);
-    p.p2p = std::move(p2p);
     p.monitor_fd.store(monitor_fd, std::memory_order_release);
   }
   watch_wake();

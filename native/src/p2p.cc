@@ -55,6 +55,10 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
   const int peer = a.peer, tag = a.tag;
   const bool any_source = peer == -1;  // a receive from any rank (validate() allows no other -1)
+  if (!any_source && !peers_[peer].ch && c_.peers[peer].p2p) {  // registered, add_peer() not yet here
+    peers_[peer].ch = c_.peers[peer].p2p.get();
+    start_header(peer);
+  }
   if (!any_source && !peers_[peer].ch)
     fail(ErrorCode::SYSTEM, peer, "internal error: no connection to rank " + std::to_string(peer) + " for " + describe(a));
   Pending p;
