@@ -196,6 +196,41 @@ def test_across_hosts(hosts, name):
         c.close()
 
 
+def send_to_dead(world, victim, sender):
+    """The sender, 3 s in, sends to the victim (killed meanwhile), a peer outside its plan."""
+    if world.rank == victim:
+        time.sleep(60)
+    if world.rank != sender:
+        return None
+    time.sleep(3.0)
+    start = time.monotonic()
+    try:
+        world.send(np.ones(4, np.float32), victim)
+    except comm.CommError as e:
+        return type(e).__name__, time.monotonic() - start, str(e)
+    return "no error", time.monotonic() - start, ""
+
+
+def test_first_use_of_a_dead_peer_fails_fast(hosts):
+    """A send to a peer outside the plan that died: the connection on first use stops at the
+    news of its death (flooded by its own peers) instead of retrying until COMM_TIMEOUT."""
+    c = start(hosts, PLACEMENTS["2x4"], COMM_TIMEOUT="30")
+    try:
+        info = c.run(connections)
+        assert 6 not in info[1][0], info[1]
+        c.submit(send_to_dead, 6, 1)
+        time.sleep(1.0)
+        os.kill(info[6][1], 9)
+        results = c.collect([1], 40)
+    finally:
+        c.kill()
+    ok, value, _ = results[1]
+    assert ok, value
+    error, seconds, text = value
+    assert error == "PeerFailure" and "rank 6" in text, (error, text)
+    assert seconds < 2.0, f"the send took {seconds:.1f} s to fail"
+
+
 def wait_blocked(world, victim):
     """Every rank but the victim blocks in a barrier the victim never joins; returns the error
     and when it came (time.time(): one clock for every process on this machine)."""

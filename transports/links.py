@@ -81,7 +81,8 @@ def reserve_descriptors(ctx, infos, peers, local: set, net: str | None) -> None:
                     "COMM_CONNECT=lazy needs fewer)", rank=ctx.rank, op="init")
 
 
-def dial(ctx, info, role: int, deadline: float, op: str = "init") -> socket.socket:
+def dial(ctx, info, role: int, deadline: float, op: str = "init", check=None) -> socket.socket:
+    """check(): called between attempts; raises when waiting on is pointless (a peer is gone)."""
     delay = 0.01
     while True:
         try:
@@ -94,6 +95,8 @@ def dial(ctx, info, role: int, deadline: float, op: str = "init") -> socket.sock
             if time.monotonic() + delay > deadline:
                 raise CommTimeout(f"cannot connect to {info['addr']}:{info['port']} ({e})",
                                   rank=ctx.rank, op=op) from None
+            if check is not None:
+                check()
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -200,8 +203,19 @@ class Links:
             return self._to_code(e), f"connecting to rank {peer} on first use: {e.cause}"
 
     def _wait(self, deadline: float) -> bool:
+        """One slice of waiting for a connection (the condition held); False past the deadline."""
         left = deadline - time.monotonic()
-        return left > 0 and (self._cond.wait(min(left, 1.0)) or True)
+        if left <= 0:
+            return False
+        self._cond.wait(min(left, 0.1))
+        self._check()
+        return True
+
+    def _check(self) -> None:
+        # A rank known dead fails the operation anyway: do not wait out the timeout for it.
+        lost = self._engine.first_lost()
+        if lost >= 0:
+            raise PeerFailure(f"rank {lost} is gone", rank=self._ctx.rank, op="connect", peer=lost)
 
     def _late(self, peer: int, op) -> CommError:
         return CommTimeout(f"rank {peer} did not complete its connection within COMM_TIMEOUT "
@@ -213,7 +227,7 @@ class Links:
         answered no (its own dial to this rank is the one kept)."""
         info = self._infos[peer]
         want = roles(self._ctx, self._infos, peer, self._local, None)
-        socks = {MONITOR: dial(self._ctx, info, MONITOR, deadline, op)}
+        socks = {MONITOR: dial(self._ctx, info, MONITOR, deadline, op, self._check)}
         try:
             socks[MONITOR].settimeout(max(0.1, deadline - time.monotonic()))
             try:
@@ -225,7 +239,7 @@ class Links:
             if answer != _YES:
                 return False
             for role in want[1:]:
-                socks[role] = dial(self._ctx, info, role, deadline, op)
+                socks[role] = dial(self._ctx, info, role, deadline, op, self._check)
         except BaseException:
             for s in socks.values():
                 s.close()

@@ -778,6 +778,8 @@ NB_MODULE(_native, m) {
           nb::arg("fn").none(),
           "fn(peer) connects `peer` (add_peer) and returns None, or returns (error code, message).\n"
           "Called from the thread of the operation that first needs the peer. Set before start().")
+      .def("first_lost", &Engine::first_lost, release(),
+           "A rank known to be gone (first hand or relayed), or -1.")
       .def_prop_ro("connected_on_demand", &Engine::connected_on_demand,
                    "Peers an operation had to connect because the plan did not hold them.")
       .def(

@@ -211,6 +211,9 @@ class Comm {
   // the word floods the connection graph, which holds the flat ring, so it reaches every
   // rank, including ranks never connected to the lost one.
   void relay_failure(const CommError& e);
+  // A rank this one knows is gone (first hand or from a peer), or -1: what a connection being
+  // made on first use checks so it does not wait out the timeout for a dead peer.
+  int first_lost();
   // The watcher: a thread that reads the monitors while no operation does, so a rank that is
   // idle or blocked elsewhere still passes deaths, hearsay and revokes on (liveness.cc).
   void watch_start();

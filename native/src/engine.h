@@ -56,6 +56,7 @@ class Engine {
   // called, or throws CommError. Without it, reaching such a peer is an error.
   void set_connector(std::function<void(int)> fn) { comm_.connector = std::move(fn); }
   int connected_on_demand() const { return comm_.connected_on_demand.load(); }
+  int first_lost() { return comm_.first_lost(); }
   // Data over a net (net.h) instead: open it, publish the address it returns through the
   // store, then add every peer with the address it published.
   std::string open_net(const std::string& name, const NetOptions& opts);

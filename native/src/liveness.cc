@@ -35,6 +35,13 @@ void Comm::watch_wake() {
   if (watch_fd_ >= 0) (void)!write(watch_fd_, &one, sizeof one);
 }
 
+int Comm::first_lost() {
+  std::lock_guard<std::mutex> lock(alive_mu_);
+  for (int r = 0; r < size; r++)
+    if (peers[r].heard == 'D' || peers[r].heard == 'A') return r;
+  return lost_;
+}
+
 void Comm::watch_loop() {
   std::vector<pollfd> fds;
   std::vector<int> who;  // the peer of fds[i]; -1 for the wake-up
