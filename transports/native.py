@@ -2,8 +2,10 @@
 
 Python does the connection set-up, where speed does not matter and the standard library
 has what security needs: every rank publishes its listening address through the store,
-the mesh is connected (the higher rank connects, the lower accepts), every socket passes
-comm.auth's HMAC handshake, and the connected sockets are handed to the engine. Ranks with
+its peers are connected (COMM_CONNECT=lazy: those the engine's algorithms plan for, the others
+on first use, transports/links.py; eager: the full mesh, the higher rank connects, the lower
+accepts), every socket passes comm.auth's HMAC handshake, and the connected sockets are handed
+to the engine. Ranks with
 the same host_id also share memory: each creates one anonymous segment (memfd) and maps its
 local peers' segments through /proc/<pid>/fd (same user only); nothing has a name in
 /dev/shm, so nothing can be left behind.
