@@ -161,11 +161,35 @@ def test_lingering_strangers_do_not_stall_setup(monkeypatch, secret):
 
 
 def test_data_listener_closed_after_setup(cluster):
-    """Once the mesh is connected no data listener is left open for strangers to reach."""
-    ports = cluster(2).run(_listener_port)
+    """COMM_CONNECT=eager: once the mesh is connected no data listener is left open for
+    strangers to reach."""
+    ports = cluster(2, env={"COMM_CONNECT": "eager"}).run(_listener_port)
     for addr, port in ports:
         with pytest.raises(OSError):
             socket.create_connection((addr, port), timeout=2).close()
+
+
+@pytest.mark.parametrize("payload", [b"", b"GET / HTTP/1.0\r\n\r\n", bytes(64)])
+def test_lazy_listener_drops_strangers(cluster, payload):
+    """COMM_CONNECT=lazy keeps the listener for connections on first use: a stranger's
+    connection is dropped (no handshake, no session token) and the ranks go on computing."""
+    c = cluster(2, env={"COMM_CONNECT": "lazy", "COMM_SECRET": "s3"})
+    for addr, port in c.run(_listener_port):
+        with socket.create_connection((addr, port), timeout=5) as s:
+            s.settimeout(10)   # the acceptor's handshake deadline (5 s) ends it
+            s.sendall(payload)
+            try:
+                while s.recv(4096):
+                    pass
+            except ConnectionResetError:   # dropped with our bytes unread
+                pass
+    assert c.run(_sum) == [3.0, 3.0]
+
+
+def _sum(world):
+    x = np.full(4, world.rank + 1.0)
+    world.all_reduce(x)
+    return float(x[0])
 
 
 def _listener_port(world):

@@ -2,8 +2,10 @@
 
 Python does the connection set-up, where speed does not matter and the standard library
 has what security needs: every rank publishes its listening address through the store,
-the mesh is connected (the higher rank connects, the lower accepts), every socket passes
-comm.auth's HMAC handshake, and the connected sockets are handed to the engine. Ranks with
+its peers are connected (COMM_CONNECT=lazy: those the engine's algorithms plan for, the others
+on first use, transports/links.py; eager: the full mesh, the higher rank connects, the lower
+accepts), every socket passes comm.auth's HMAC handshake, and the connected sockets are handed
+to the engine. Ranks with
 the same host_id also share memory: each creates one anonymous segment (memfd) and maps its
 local peers' segments through /proc/<pid>/fd (same user only); nothing has a name in
 /dev/shm, so nothing can be left behind.
@@ -24,9 +26,9 @@ import os
 import secrets
 import select
 import socket
-import struct
 import threading
 import time
+import weakref
 
 from comm import auth, config, log, rendezvous
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
@@ -36,6 +38,8 @@ from comm.types import DType, ReduceOp, op_allowed
 from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
+from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Links, dial,
+                              reserve_descriptors, roles, wake)
 
 try:
     from comm import _native
@@ -52,26 +56,19 @@ else:  # the lean path checks reductions against the same table as the communica
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
 DIRECT_MAX_BYTES = 32 << 10
 
-# A data connection must complete its handshake this fast (ours take milliseconds), and at
-# most this many may be in progress at once: a stranger cannot hold up set-up for longer.
-HANDSHAKE_S = 5.0
-MAX_HANDSHAKES = 256
-
-_MONITOR, _P2P, _FIRST_COLL = 0, 1, 2  # socket roles, sent by the connecting side
-_IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
-
-
-def _wake(s: socket.socket) -> None:
-    """End a handshake from outside: its thread's blocked recv returns, and it closes `s`."""
-    with contextlib.suppress(OSError):
-        s.shutdown(socket.SHUT_RDWR)
-
-
 def _error_classes() -> dict:
     return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
             _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
             _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument,
             _native.ERR_INTERRUPTED: Aborted, _native.ERR_REVOKED: Revoked}
+
+
+def _code(e: CommError) -> int:
+    """The engine's code for a comm.errors class (a connector's failure handed back to it)."""
+    for code, cls in _error_classes().items():
+        if type(e) is cls:
+            return code
+    return _native.ERR_SYSTEM
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
@@ -156,6 +153,7 @@ class NativeTransport(Transport):
     def __init__(self, ctx: BootstrapContext) -> None:
         self.rank, self.size = ctx.rank, ctx.size
         self._ctx = ctx
+        self._links: Links | None = None  # COMM_CONNECT=lazy: connections on first use
         self._debug = log.enabled()
         try:
             self._engine = self._bootstrap(ctx)
@@ -171,13 +169,20 @@ class NativeTransport(Transport):
         store = ctx.store
         addr = ctx.bind_addr or store.local_address()
         listener = rendezvous.listen_socket(addr)
+        # A net (ucx) connects its endpoints itself, to every peer: its monitors stay a mesh.
+        lazy = self.net is None and config.get("COMM_CONNECT") == "lazy"
+        engine = None
         try:
             listener.bind((addr, 0))
             listener.listen(max(128, 4 * ctx.size))
             token = secrets.token_bytes(16)
-            me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1],
-                  "token": token.hex(), "sockets": max(1, int(config.get("COMM_SOCKETS_PER_PEER")))}
+            me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1], "token": token.hex(),
+                  "sockets": max(1, int(config.get("COMM_SOCKETS_PER_PEER"))), "lazy": lazy}
             infos = [json.loads(v) for v in store.all_gather("native/info", json.dumps(me).encode())]
+            if len({i["lazy"] for i in infos}) > 1:
+                eager = [r for r, i in enumerate(infos) if not i["lazy"]]
+                raise InvalidArgument(f"ranks {eager[:8]} set COMM_CONNECT=eager and the others lazy: every rank "
+                                      "must connect alike", rank=ctx.rank, op="init")
             tcp_only = self.net is not None or config.get("COMM_CHANNELS") == "tcp"
             local = [] if tcp_only else [r for r, i in enumerate(infos) if i["host"] == ctx.host_id]
             engine = _native.Engine(ctx.rank, ctx.size, local if len(local) > 1 else [],
@@ -186,28 +191,46 @@ class NativeTransport(Transport):
             # The two-level algorithms' grouping: as comm.topology numbers hosts.
             labels = {h: i for i, h in reversed(list(enumerate(i["host"] for i in infos)))}
             engine.set_hosts([labels[i["host"]] for i in infos])
+            peers = engine.planned_peers() if lazy else [p for p in range(ctx.size) if p != ctx.rank]
+            reserve_descriptors(ctx, infos, peers, set(local), self.net)
             # The store's gathers are collective: every rank joins them once some host
             # shares memory, even a rank alone on its host.
             if not tcp_only and len(set(labels.values())) < ctx.size:
                 self._share_memory(engine, store, local if len(local) > 1 else [])
             if self.net is not None:
                 addresses = store.all_gather(f"{self.name}/address", engine.open_net(self.net, self.net_options()))
-            socks = self._connect_mesh(ctx, listener, infos, token, set(local))
+            if lazy:
+                self._links = Links(ctx, listener, infos, token, set(local), engine, _code)
+                listener = None  # the links accept for the communicator's lifetime
+                engine.set_connector(self._links.connector())
+                # A communicator dropped without close(): its acceptor thread ends with it.
+                weakref.finalize(self, self._links.close)
+                self._links.connect_planned(peers, time.monotonic() + ctx.timeout)
+                socks = {}
+            else:
+                socks = self._connect_mesh(ctx, listener, infos, token, set(local))
+        except BaseException:
+            if self._links is not None:
+                self._links.close()
+            if engine is not None:
+                engine.set_connector(None)
+            raise
         finally:
-            listener.close()
-        for peer, roles in socks.items():
-            monitor = roles[_MONITOR].detach()
+            if listener is not None:
+                listener.close()
+        for peer, sockets in socks.items():
+            monitor = sockets[MONITOR].detach()
             if self.net is not None:
                 engine.add_net_peer(peer, monitor, addresses[peer], infos[peer]["host"] == ctx.host_id)
                 continue
-            coll = [roles[k].detach() for k in sorted(roles) if k >= _FIRST_COLL]
-            p2p = roles[_P2P].detach() if _P2P in roles else -1
+            coll = [sockets[k].detach() for k in sorted(sockets) if k >= FIRST_COLL]
+            p2p = sockets[P2P].detach() if P2P in sockets else -1
             engine.add_peer(peer, monitor, coll, p2p)
         data = (f"{self.net} with every peer" if self.net is not None else
                 f"shared memory with ranks {sorted(set(local) - {ctx.rank}) or 'none'}, TCP with ranks "
-                f"{sorted(set(socks) - set(local)) or 'none'}")
+                f"{sorted(set(peers) - set(local)) or 'none'}{' (more on first use)' if lazy else ''}")
         log.debug(ctx.rank, f"{ctx.group_name}: {self.name} engine listening on {addr}; {data}")
-        engine.start()
+        engine.start(every_peer=not lazy)
         return engine
 
     @staticmethod
@@ -226,15 +249,9 @@ class NativeTransport(Transport):
 
     def _connect_mesh(self, ctx, listener, infos, token, local) -> dict[int, dict[int, socket.socket]]:
         """Sockets to every peer, keyed by peer and role. Lower ranks accept from higher ones."""
-        def roles(peer: int) -> list[int]:
-            data_elsewhere = self.net is not None or (ctx.rank in local and peer in local)
-            # COMM_SOCKETS_PER_PEER may differ between ranks: a pair uses the fewer of its two
-            n_coll = min(infos[ctx.rank]["sockets"], infos[peer]["sockets"])
-            return [_MONITOR] if data_elsewhere else [_MONITOR, _P2P] + [_FIRST_COLL + i for i in range(n_coll)]
-
         deadline = time.monotonic() + ctx.timeout
         socks: dict[int, dict[int, socket.socket]] = {p: {} for p in range(ctx.size) if p != ctx.rank}
-        expected = sum(len(roles(p)) for p in range(ctx.rank + 1, ctx.size))
+        expected = sum(len(roles(ctx, infos, p, local, self.net)) for p in range(ctx.rank + 1, ctx.size))
         errors: list[BaseException] = []
         acceptor = threading.Thread(target=self._accept_all,
                                     args=(ctx, listener, expected, token, socks, errors, deadline))
@@ -242,37 +259,13 @@ class NativeTransport(Transport):
         try:
             for peer in range(ctx.rank):
                 info = infos[peer]
-                for role in roles(peer):
-                    socks[peer][role] = self._dial(ctx, info, role, deadline)
+                for role in roles(ctx, infos, peer, local, self.net):
+                    socks[peer][role] = dial(ctx, info, role, deadline)
         finally:
             acceptor.join()
         if errors:
             raise errors[0]
         return socks
-
-    @staticmethod
-    def _dial(ctx, info, role: int, deadline: float) -> socket.socket:
-        delay = 0.01
-        while True:
-            try:
-                s = socket.create_connection((info["addr"], info["port"]),
-                                             timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as e:
-                if time.monotonic() + delay > deadline:
-                    raise CommTimeout(f"cannot connect to {info['addr']}:{info['port']} ({e})",
-                                      rank=ctx.rank, op="init") from None
-                time.sleep(delay)
-                delay = min(delay * 2, 0.5)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            auth.client_handshake(s, ctx.secret, max(0.1, deadline - time.monotonic()))
-            s.sendall(_IDENT.pack(ctx.rank, role, bytes.fromhex(info["token"])))
-        except (OSError, auth.HandshakeError) as e:
-            s.close()
-            raise CommError(f"connection set-up failed: {e}", rank=ctx.rank, op="init") from None
-        s.settimeout(None)
-        return s
 
     @staticmethod
     def _accept_all(ctx, listener, expected, token, socks, errors, deadline) -> None:
@@ -289,7 +282,7 @@ class NativeTransport(Transport):
             try:
                 auth.server_handshake(s, ctx.secret, HANDSHAKE_S)
                 s.settimeout(HANDSHAKE_S)
-                peer, role, their_token = _IDENT.unpack(auth.recv_exact(s, _IDENT.size))
+                peer, role, their_token = IDENT.unpack(auth.recv_exact(s, IDENT.size))
                 ours = their_token == token and ctx.rank < peer < ctx.size
             except (OSError, auth.HandshakeError) as e:  # a stranger or a wrong secret
                 ours = False
@@ -317,7 +310,7 @@ class NativeTransport(Transport):
                         return
                     for s in [s for s, due in pending.items() if due <= now]:
                         del pending[s]
-                        _wake(s)
+                        wake(s)
                     wake_at = min([deadline, *pending.values()])
                 if now >= deadline:
                     refused = (f"; {state['refused']} connection(s) failed the handshake (a rank started "
@@ -349,7 +342,7 @@ class NativeTransport(Transport):
             with lock:
                 state["over"] = True
                 for s in pending:
-                    _wake(s)
+                    wake(s)
                 pending.clear()
             wake_r.close()
             wake_w.close()
@@ -403,18 +396,35 @@ class NativeTransport(Transport):
 
     def abort(self) -> None:
         self._engine.abort()
+        if self._links is not None:   # a connection being made for an operation ends too
+            self._links.close()
 
     def revoke(self) -> None:
         self._engine.revoke()
+        if self._links is not None:
+            self._links.close()
+
+    def connected_peers(self) -> list[int]:
+        """The peers this rank holds connections to (lazy: the plan and those made on first use)."""
+        if self._links is None:
+            return [p for p in range(self.size) if p != self.rank]
+        return self._links.connected()
 
     def dead_peers(self) -> list[int]:
         return self._engine.dead_peers()
 
     def close(self) -> None:
+        if self._links is not None:
+            self._links.close()
         self._engine.close()
+        if self._links is not None:
+            self._engine.set_connector(None)   # no operation runs now: the cycle through it ends
 
     def forget_after_fork(self) -> None:
         self._engine.forget_after_fork()
+        if self._links is not None:
+            self._links.forget()
+            self._engine.set_connector(None)
 
 
 register(NativeTransport)

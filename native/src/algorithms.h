@@ -115,6 +115,8 @@ void twolevel_reduce(Comm& c, const Coll& op);
 void twolevel_barrier(Comm& c, const Coll& op);
 bool twolevel_fits(const Comm& c, const Coll& op);
 bool twolevel_shards_fit(const Comm& c, const Coll& op);  // every host holds two or more ranks
+// For every rank, the local position on host h that owns its block (reduce_scatter / all_gather).
+std::vector<int> shard_owners(const Topology& t, int h, int n);
 // twolevel_a2a.cc: all_to_all aggregated per host pair
 void twolevel_all_to_all(Comm& c, const Coll& op);
 bool twolevel_a2a_fits(const Comm& c, const Coll& op);
@@ -177,6 +179,10 @@ size_t counts_area(const Comm& c);
 void publish_counts(const Comm& c, const Coll& op, uint64_t round);
 // MISMATCH unless local peer `p`'s slot of `round` holds this op (counts named when they differ).
 void check_counts(const Comm& c, const Coll& op, uint64_t round, int p);
+
+// plan.cc: the peers the algorithms can exchange data with from this topology (every rank
+// computes the same symmetric relation); others are reached on first use.
+std::vector<int> planned_peers(const Comm& c);
 
 struct Algorithm {
   const char* name;

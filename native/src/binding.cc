@@ -742,7 +742,48 @@ NB_MODULE(_native, m) {
           nb::arg("peer"), nb::arg("monitor_fd"), nb::arg("address"), nb::arg("same_host"),
           "Connect `peer` over the open net from the address it published (the engine owns\n"
           "the monitor socket).")
-      .def("start", &Engine::start, release())
+      .def("start", &Engine::start, nb::arg("every_peer") = true, release(),
+           "Start the engine; every_peer: each peer must be connected (a full mesh), else peers\n"
+           "outside the plan are connected on first use through set_connector's function.")
+      .def("planned_peers", &Engine::planned_peers,
+           "The peers this rank's algorithms exchange data with (from set_hosts' topology).")
+      .def(
+          "set_connector",
+          [](Engine& e, nb::object fn) {
+            if (fn.is_none()) {
+              e.set_connector(nullptr);
+              return;
+            }
+            // Released with the GIL held, whichever thread drops the last reference.
+            std::shared_ptr<nb::object> held(new nb::object(std::move(fn)), [](nb::object* o) {
+              nb::gil_scoped_acquire gil;
+              delete o;
+            });
+            e.set_connector([held](int peer) {
+              int code = 0;
+              std::string why;
+              {
+                nb::gil_scoped_acquire gil;
+                try {
+                  nb::object r = (*held)(peer);
+                  if (!r.is_none()) {
+                    auto [c, m] = nb::cast<std::tuple<int, std::string>>(r);
+                    code = c, why = m;
+                  }
+                } catch (const std::exception& ex) {
+                  code = static_cast<int>(ErrorCode::SYSTEM), why = ex.what();
+                }
+              }
+              if (code) fail(static_cast<ErrorCode>(code), peer, why);
+            });
+          },
+          nb::arg("fn").none(),
+          "fn(peer) connects `peer` (add_peer) and returns None, or returns (error code, message).\n"
+          "Called from the thread of the operation that first needs the peer. Set before start().")
+      .def("first_lost", &Engine::first_lost, release(),
+           "A rank known to be gone (first hand or relayed), or -1.")
+      .def_prop_ro("connected_on_demand", &Engine::connected_on_demand,
+                   "Peers an operation had to connect because the plan did not hold them.")
       .def(
           "post",
           [](Engine& e, int kind, int dtype, int op, double scale, uintptr_t send,

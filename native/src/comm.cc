@@ -36,6 +36,7 @@ Comm::Comm(int rank_, int size_, Options opt_)
 Comm::~Comm() { release(); }
 
 void Comm::release() {
+  watch_stop();  // it polls the monitors closed below
   for (Peer& p : peers) {
     if (p.monitor_fd >= 0) close(p.monitor_fd);
     p.coll.reset();
@@ -54,7 +55,7 @@ void Comm::close_channels() {
   for (Peer& p : peers) {
     int32_t lost = -1;
     // Read past relayed failures ('F') to a goodbye, hang-up or abort, if one came.
-    while (p.monitor_fd >= 0 && !p.said_goodbye && hear(p, &lost) == 'F') {
+    while (p.monitor_fd >= 0 && !p.said_goodbye && hear(p, &lost, static_cast<int>(&p - peers.data())) == 'F') {
     }
     const bool left = p.said_goodbye || p.heard == 'D' || p.heard == 'A';
     for (auto* ch : {&p.coll, &p.p2p}) {
@@ -75,6 +76,10 @@ void Comm::forget() {
     }
     (void)net.release();
   }
+  // The watcher is the parent's thread: the child has only its object, never to be joined.
+  (void)watcher_.release();
+  if (watch_fd_ >= 0) ::close(watch_fd_);
+  watch_fd_ = -1;
   release();  // close() and munmap() act on this process's copies only
 }
 
@@ -93,9 +98,39 @@ void Comm::set_local_ranks_known() {
   }
 }
 
+Channel* Comm::reach(int peer) const {
+  Channel* ch = peers[peer].coll.get();
+  if (ch) return ch;
+  if (connector) {
+    connector(peer);
+    connected_on_demand.fetch_add(1, std::memory_order_relaxed);
+    ch = peers[peer].coll.get();
+  }
+  if (!ch)
+    fail(ErrorCode::SYSTEM, peer,
+         "internal error: rank " + std::to_string(rank) + " has no connection to rank " + std::to_string(peer) +
+             " (not among the peers its algorithms plan for) and this transport cannot connect on first use");
+  return ch;
+}
+
+void Comm::register_peer(int peer, int monitor_fd, std::unique_ptr<Channel> coll, std::unique_ptr<Channel> p2p) {
+  {
+    std::lock_guard<std::mutex> lock(alive_mu_);
+    Peer& p = peers[peer];
+    if (p.coll || p.monitor_fd >= 0) {
+      if (monitor_fd >= 0) ::close(monitor_fd);
+      fail(ErrorCode::INVALID_ARGUMENT, peer, "rank " + std::to_string(peer) + " is connected already");
+    }
+    p.p2p = std::move(p2p);  // before coll: a post that sees coll finds the p2p channel too
+    p.coll = std::move(coll);
+    p.monitor_fd.store(monitor_fd, std::memory_order_release);
+  }
+  watch_wake();
+}
+
 Transfer Comm::send_to(int peer, const void* buf, size_t len, const WireHeader& h) const {
   Transfer t;
-  t.ch = peers[peer].coll.get();
+  t.ch = reach(peer);
   t.is_send = true;
   t.buf = const_cast<char*>(static_cast<const char*>(buf));
   t.len = len;
@@ -271,7 +306,7 @@ char* Comm::scratch(int which, size_t bytes) {
 
 // Reads at most one word from p's monitor (with alive_mu_ held) and returns what p said:
 // 0 (nothing new), 'B', 'F' (then *lost is the rank p lost), or the sticky 'A', 'R', 'D'.
-char Comm::hear(Peer& p, int32_t* lost) {
+char Comm::hear(Peer& p, int32_t* lost, int from) {
   if (p.heard == 'A' || p.heard == 'R' || p.heard == 'D') return p.heard;
   pollfd pfd{p.monitor_fd, POLLIN | POLLRDHUP, 0};
   if (poll(&pfd, 1, 0) <= 0) return 0;
@@ -283,8 +318,21 @@ char Comm::hear(Peer& p, int32_t* lost) {
     goodbyes_.fetch_add(1, std::memory_order_relaxed);
     return p.heard = 'B';
   }
-  if (got == 1 && c == 'F' && recv(p.monitor_fd, lost, sizeof *lost, MSG_WAITALL) == sizeof *lost) return 'F';
-  return p.heard = (got == 1 && (c == 'A' || c == 'R')) ? c : 'D';
+  if (got == 1 && c == 'F' && recv(p.monitor_fd, lost, sizeof *lost, MSG_WAITALL) == sizeof *lost) {
+    if (*lost >= 0 && *lost < size && *lost != rank) {
+      if (lost_ < 0) lost_ = *lost, lost_via_ = from;
+      relay_lost(*lost);
+    }
+    return 'F';
+  }
+  p.heard = (got == 1 && (c == 'A' || c == 'R')) ? c : 'D';
+  // Pass it on: a death (or abort) as the loss of `from`, a revoke as a revoke.
+  if (p.heard != 'R') relay_lost(from);
+  else if (!relayed_revoke_ && !aborted.load()) {
+    relayed_revoke_ = true;
+    send_all("R", 1);
+  }
+  return p.heard;
 }
 
 void Comm::check_alive(const Deadline& dl) {
@@ -297,12 +345,9 @@ void Comm::check_alive(const Deadline& dl) {
     Peer& p = peers[r];
     if (p.monitor_fd < 0 || p.said_goodbye) continue;
     int32_t lost = -1;
-    const char c = hear(p, &lost);
+    char c;
+    while ((c = hear(p, &lost, r)) == 'F') {}  // hearsay is kept in lost_
     if (c == 0 || c == 'B') continue;
-    if (c == 'F' && lost >= 0 && lost < size && lost != rank)
-      fail(ErrorCode::PEER_FAILURE, lost,
-           "rank " + std::to_string(lost) + " is gone (rank " + std::to_string(r) +
-               " lost it during an operation)");
     if (c == 'A') fail(ErrorCode::PEER_FAILURE, r, "rank " + std::to_string(r) + " aborted its communicator");
     if (c == 'R')
       fail(ErrorCode::REVOKED, r,
@@ -310,6 +355,10 @@ void Comm::check_alive(const Deadline& dl) {
     fail(ErrorCode::PEER_FAILURE, r,
          "rank " + std::to_string(r) + " is gone (its process exited or was killed)");
   }
+  if (lost_ >= 0)
+    fail(ErrorCode::PEER_FAILURE, lost_,
+         "rank " + std::to_string(lost_) + " is gone (rank " + std::to_string(lost_via_) +
+             " passed on its loss, seen during an operation)");
   lock.unlock();
   if (dl.passed())
     fail(ErrorCode::TIMEOUT, -1,
@@ -345,7 +394,7 @@ std::vector<int> Comm::dead_peers() {
     Peer& p = peers[r];
     if (p.monitor_fd < 0) continue;
     int32_t lost;
-    while (listen && !p.said_goodbye && hear(p, &lost) == 'F') {}  // relayed hearsay: read past it
+    while (listen && !p.said_goodbye && hear(p, &lost, r) == 'F') {}  // relayed hearsay: read past it
     if (p.heard == 'D') dead.push_back(r);
   }
   return dead;
@@ -373,13 +422,26 @@ void Comm::abort(char why) {
 }
 
 void Comm::relay_failure(const CommError& e) {
-  if (e.code != ErrorCode::PEER_FAILURE || e.peer < 0 || relayed_.exchange(true)) return;
+  if (e.code != ErrorCode::PEER_FAILURE || e.peer < 0) return;
+  std::lock_guard<std::mutex> lock(alive_mu_);
+  relay_lost(e.peer);
+}
+
+void Comm::relay_lost(int lost) {
+  // After our own abort the monitors read as hang-ups: nothing heard then is news.
+  if (lost < 0 || lost >= size || lost == rank || aborted.load()) return;
+  if (relayed_lost_.empty()) relayed_lost_.assign(size, 0);
+  if (relayed_lost_[lost]) return;
+  relayed_lost_[lost] = 1;
   char msg[1 + sizeof(int32_t)] = {'F'};
-  const int32_t lost = e.peer;
-  std::memcpy(msg + 1, &lost, sizeof lost);
+  const int32_t who = lost;
+  std::memcpy(msg + 1, &who, sizeof who);
+  send_all(msg, sizeof msg);
+}
+
+void Comm::send_all(const char* msg, size_t n) {
   for (Peer& p : peers)
-    if (p.monitor_fd >= 0 && !p.said_goodbye)
-      (void)!send(p.monitor_fd, msg, sizeof msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (p.monitor_fd >= 0 && !p.said_goodbye) (void)!send(p.monitor_fd, msg, n, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
 void Comm::say_goodbye() {

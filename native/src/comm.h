@@ -7,7 +7,9 @@
 #include <sched.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
+#include <thread>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -41,7 +43,8 @@ struct Peer {
   std::unique_ptr<Channel> p2p;   // send / recv traffic (own stream: tags match out of order)
   // Carries no data: readable means gone ('B'ye on close, 'A' on abort, 'R' on revoke,
   // 'F' + the rank whose loss failed the peer's operation).
-  int monitor_fd = -1;
+  // Atomic: a peer connected on first use is registered while other threads watch the rest.
+  std::atomic<int> monitor_fd{-1};
   // What the monitor said last (under alive_mu_): 0 nothing, 'B', 'A', 'R', or 'D' for a
   // hang-up without a word (the process died). Kept so dead_peers() and check_alive() agree.
   char heard = 0;
@@ -95,6 +98,16 @@ class Comm {
   void run(Transfer* ts, size_t n);
   Transfer send_to(int peer, const void* buf, size_t len, const WireHeader& h) const;
   Transfer recv_from(int peer, void* buf, size_t len, const WireHeader& h) const;
+  // The collective channel to `peer`, connected now (through `connector`) if it is not yet;
+  // a clear SYSTEM error where no connection exists and none can be made.
+  Channel* reach(int peer) const;
+  // Set by a transport that connects peers on first use: returns once `peer` is registered
+  // (register_peer), or throws CommError. Runs on the thread of the operation that needs it.
+  std::function<void(int)> connector;
+  mutable std::atomic<int> connected_on_demand{0};  // peers `reach` had to connect
+  // Hands a connected peer to the communicator; safe while operations run (a peer connected
+  // on first use). The channels are in place before the monitor is watched.
+  void register_peer(int peer, int monitor_fd, std::unique_ptr<Channel> coll, std::unique_ptr<Channel> p2p);
   // Convenience: one send and one receive at once (ring steps, pairwise exchange).
   void sendrecv(int to, const void* sbuf, size_t slen, int from, void* rbuf, size_t rlen,
                 const WireHeader& h);
@@ -192,9 +205,19 @@ class Comm {
   // rank knows of failures before the survivors agree on them (shrink). Never throws.
   std::vector<int> dead_peers();
   void say_goodbye();  // before a clean close: peers will not mistake it for a crash
-  // After this rank's operation failed because `e.peer` is gone: tell every peer (once), so
-  // ranks that were not waiting on the lost one directly fail now, not at their timeout.
+  // After this rank's operation failed because `e.peer` is gone: tell every connected peer
+  // (once per lost rank), so ranks that were not waiting on the lost one directly fail now,
+  // not at their timeout. Each peer that hears it first tells its own peers (the watcher):
+  // the word floods the connection graph, which holds the flat ring, so it reaches every
+  // rank, including ranks never connected to the lost one.
   void relay_failure(const CommError& e);
+  // A rank this one knows is gone (first hand or from a peer), or -1: what a connection being
+  // made on first use checks so it does not wait out the timeout for a dead peer.
+  int first_lost();
+  // The watcher: a thread that reads the monitors while no operation does, so a rank that is
+  // idle or blocked elsewhere still passes deaths, hearsay and revokes on (liveness.cc).
+  void watch_start();
+  void watch_stop();
   void release();      // close every connection and unmap shared memory
   void close_channels();  // the peers' channels only (the monitor sockets stay)
   // In a forked child: close this process's copies of the connections and mappings
@@ -220,10 +243,20 @@ class Comm {
   // Nothing moved: one step of idle() on the transfers' channels, then the closed-peer checks.
   void wait_on(Transfer* ts, size_t n, Backoff& spins, std::vector<pollfd>& fds);
   void sleep_fds(const std::vector<pollfd>& fds, int ms);
-  char hear(Peer& p, int32_t* lost);
+  char hear(Peer& p, int32_t* lost, int from);
+  void relay_lost(int lost);                 // alive_mu_ held
+  void send_all(const char* msg, size_t n);  // to every connected peer that has not left
+  void watch_loop();
+  void watch_wake();
+  // Hearsay: the first rank a peer said was lost, and that peer (under alive_mu_; sticky).
+  int lost_ = -1, lost_via_ = -1;
+  std::vector<char> relayed_lost_;  // ranks whose loss this rank has passed on (alive_mu_)
+  bool relayed_revoke_ = false;     // alive_mu_
+  std::unique_ptr<std::thread> watcher_;  // a pointer: a forked child leaks the parent's
+  int watch_fd_ = -1;  // eventfd: a new peer or the end of the watch
+  std::atomic<bool> watching_{false};
   [[noreturn]] void closed_peer(int peer) const;
   std::atomic<int> goodbyes_{0};  // peers whose 'B'ye check_alive has read
-  std::atomic<bool> relayed_{false};
   // Spinning only pays when every local rank has a core; oversubscribed ranks spin briefly
   // (set_local_ranks_known).
   int spin_calls_ = 2000;

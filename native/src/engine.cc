@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <unistd.h>
+
 #include <sched.h>
 
 #include "algorithms.h"
@@ -70,15 +72,24 @@ void Engine::set_hosts(const std::vector<int>& host_of) {
 }
 
 void Engine::add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd) {
-  Peer& p = comm_.peers[peer];
-  p.monitor_fd = monitor_fd;
+  if (peer < 0 || peer >= comm_.size || peer == comm_.rank)
+    fail(ErrorCode::INVALID_ARGUMENT, peer, "add_peer: no such peer " + std::to_string(peer));
+  std::unique_ptr<Channel> coll, p2p;
   if (coll_fds.empty()) {
-    p.coll = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::COLL);
-    p.p2p = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::P2P);
+    if (!comm_.shm) fail(ErrorCode::INVALID_ARGUMENT, peer, "add_peer: no shared memory for a local peer");
+    coll = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::COLL);
+    p2p = std::make_unique<ShmChannel>(*comm_.shm, peer, Stream::P2P);
   } else {
-    p.coll = std::make_unique<TcpChannel>(peer, std::move(coll_fds));
-    p.p2p = std::make_unique<TcpChannel>(peer, std::vector<int>{p2p_fd});
+    coll = std::make_unique<TcpChannel>(peer, std::move(coll_fds));
+    p2p = std::make_unique<TcpChannel>(peer, std::vector<int>{p2p_fd});
   }
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  if (released_) {
+    if (monitor_fd >= 0) ::close(monitor_fd);
+    fail(ErrorCode::CLOSED, peer, "the communicator is closed");
+  }
+  comm_.register_peer(peer, monitor_fd, std::move(coll), std::move(p2p));
+  if (p2p_) p2p_->add_peer(peer);
 }
 
 std::string Engine::open_net(const std::string& name, const NetOptions& opts) {
@@ -90,20 +101,28 @@ std::string Engine::open_net(const std::string& name, const NetOptions& opts) {
 
 void Engine::add_net_peer(int peer, int monitor_fd, const std::string& address, bool same_host) {
   if (!comm_.net) fail(ErrorCode::SYSTEM, peer, "add_net_peer before open_net");
-  Peer& p = comm_.peers[peer];
-  p.monitor_fd = monitor_fd;
-  p.coll = comm_.net->connect(peer, Stream::COLL, address, same_host);
-  p.p2p = comm_.net->connect(peer, Stream::P2P, address, same_host);
+  auto coll = comm_.net->connect(peer, Stream::COLL, address, same_host);
+  auto p2p = comm_.net->connect(peer, Stream::P2P, address, same_host);
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  comm_.register_peer(peer, monitor_fd, std::move(coll), std::move(p2p));
+  if (p2p_) p2p_->add_peer(peer);
 }
 
-void Engine::start() {
+void Engine::start(bool every_peer) {
   for (int r = 0; r < comm_.size; r++)
-    if (r != comm_.rank && !comm_.peers[r].coll)
+    if (every_peer && r != comm_.rank && !comm_.peers[r].coll)
       fail(ErrorCode::SYSTEM, r, "no connection to rank " + std::to_string(r));
+  std::lock_guard<std::mutex> lock(peers_mu_);
   p2p_ = std::make_unique<P2P>(comm_);
+  comm_.watch_start();
 }
 
 std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
+  // A send / recv to a peer not connected yet connects it first (never under mu_: the
+  // connection is registered through add_peer by whichever thread completes it).
+  if (is_p2p(args.kind) && args.peer >= 0 && args.peer < comm_.size && args.peer != comm_.rank &&
+      !comm_.peers[args.peer].coll && comm_.connector && !forked_.load(std::memory_order_relaxed))
+    comm_.reach(args.peer);
   std::unique_lock<std::mutex> lock = admit(args);
   if (is_p2p(args.kind)) {
     // Never behind the collective queue: a posted irecv must not hold up anything.
@@ -412,6 +431,8 @@ void Engine::close() {
   if (comm_.net) comm_.close_channels();
   if (!comm_.aborted.load()) comm_.say_goodbye();
   // p2p_ lives on (stopped: it answers CLOSED) so a racing post never sees it freed.
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  released_ = true;
   comm_.release();
 }
 

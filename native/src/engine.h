@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "algorithms.h"
 #include "comm.h"
 #include "op.h"
 #include "p2p.h"
@@ -46,13 +47,22 @@ class Engine {
   bool cma_probe();              // can this rank read every local peer's memory?
   void set_cma(bool everywhere); // the AND of every rank's probe: all must choose alike
   void set_hosts(const std::vector<int>& host_of);  // every rank passes the same list
-  // coll_fds empty: the peer is on this host and uses shared memory.
+  // coll_fds empty: the peer is on this host and uses shared memory. Also after start(): a
+  // peer connected on first use (any thread; its operations see it from then on).
   void add_peer(int peer, int monitor_fd, std::vector<int> coll_fds, int p2p_fd);
+  // The peers the algorithms exchange data with (plan.cc); after set_hosts.
+  std::vector<int> planned_peers() const { return comm::planned_peers(comm_); }
+  // How peers outside that plan get connected: fn(peer) returns once add_peer(peer) was
+  // called, or throws CommError. Without it, reaching such a peer is an error.
+  void set_connector(std::function<void(int)> fn) { comm_.connector = std::move(fn); }
+  int connected_on_demand() const { return comm_.connected_on_demand.load(); }
+  int first_lost() { return comm_.first_lost(); }
   // Data over a net (net.h) instead: open it, publish the address it returns through the
   // store, then add every peer with the address it published.
   std::string open_net(const std::string& name, const NetOptions& opts);
   void add_net_peer(int peer, int monitor_fd, const std::string& address, bool same_host);
-  void start();
+  // every_peer: each one must be connected by now (a full mesh); else peers come on demand.
+  void start(bool every_peer = true);
 
   // Returns null when the op ran to completion on this thread (errors are thrown).
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
@@ -136,6 +146,8 @@ class Engine {
   static constexpr uint64_t kLazyMaxBytes = 64 << 10;
   bool stopping_ = false;
   bool closed_ = false;
+  std::mutex peers_mu_;  // add_peer against close(): no peer is registered into a released comm
+  bool released_ = false;  // peers_mu_
   std::atomic<bool> forked_{false};  // read before any lock: a copied mutex may be held
   std::optional<CommError> broken_;  // first failure: every later op fails with it
   std::thread thread_;

@@ -25,6 +25,16 @@ P2P::P2P(Comm& c) : c_(c), peers_(c.size) {
   if (wake_fd_ < 0) fail_errno("eventfd");
 }
 
+void P2P::add_peer(int peer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peers_[peer].ch) return;
+    peers_[peer].ch = c_.peers[peer].p2p.get();
+    if (peers_[peer].ch) start_header(peer);
+  }
+  wake();  // a driver asleep in poll() adds the new stream's socket to its set
+}
+
 P2P::~P2P() {
   stop();
   close(wake_fd_);
@@ -45,6 +55,12 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
   const int peer = a.peer, tag = a.tag;
   const bool any_source = peer == -1;  // a receive from any rank (validate() allows no other -1)
+  if (!any_source && !peers_[peer].ch && c_.peers[peer].p2p) {  // registered, add_peer() not yet here
+    peers_[peer].ch = c_.peers[peer].p2p.get();
+    start_header(peer);
+  }
+  if (!any_source && !peers_[peer].ch)
+    fail(ErrorCode::SYSTEM, peer, "internal error: no connection to rank " + std::to_string(peer) + " for " + describe(a));
   Pending p;
   p.op = std::make_shared<Op>(std::move(a));
   p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(

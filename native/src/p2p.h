@@ -48,6 +48,7 @@ class P2P {
   // Posts a SEND or RECV. blocking: drives progress on this thread until the op is done,
   // then returns null (throws its error); otherwise returns the op to wait on.
   std::shared_ptr<Op> post(OpArgs a, bool blocking);
+  void add_peer(int peer);  // a peer connected while running: its stream joins the sweep
   void wake();  // abort: the driver notices at once instead of after its sleep slice
   void stop();  // close: fail what is pending with CLOSED and join the thread
 

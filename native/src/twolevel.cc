@@ -192,6 +192,8 @@ class ShardedAllReduce final : public TwoLevelPipeline {
 
 }  // namespace
 
+std::vector<int> shard_owners(const Topology& t, int h, int n) { return Owners(t, h, n).owner; }
+
 bool twolevel_fits(const Comm& c, const Coll&) { return c.hierarchical(); }
 // reduce_scatter / all_gather: a host of one rank sends (reduce_scatter) or receives
 // (all_gather) n-1 blocks whichever way, as many as the flat ring puts on each link it
