@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.scale_sim", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", default="1024,4096", help="simulated rank counts, comma-separated")
     p.add_argument("--per-host", type=int, default=8, help="ranks per simulated host")
-    p.add_argument("--procs", type=int, default=8, help="worker processes the simulated ranks run in")
+    p.add_argument("--procs", type=int, default=64,
+                   help="worker processes the simulated ranks run in (a few dozen threads each: with "
+                        "hundreds to a process, their GIL, not the store, is what the run measures)")
     p.add_argument("--anchors", action="store_true",
                    help="also the old N-round-trip gather and torch's TCPStore, at the smallest rank count")
     p.add_argument("--json", help="write the results here")
