@@ -5,6 +5,17 @@ from harness import Cluster
 from reference import HAVE_TORCH
 
 
+def pytest_collection_modifyitems(config, items):
+    """`pytest tests` runs the quick suite: tests marked slow (long real-process runs, soaks,
+    many simulated hosts) run with `-m slow` (or any -m that selects them), or when named."""
+    if config.option.markexpr or any("::" in a for a in config.args):
+        return
+    slow = [i for i in items if i.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [i for i in items if not i.get_closest_marker("slow")]
+
+
 def pytest_report_header():
     if not HAVE_TORCH:
         return "torch is not installed: bfloat16 cases run as float16, torch tests are skipped"

@@ -33,6 +33,13 @@ ROOT = os.path.dirname(HERE)
 LAUNCHERS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn", "verbs": "spawn"}
 
 
+def slow(*values) -> list:
+    """Parameter values whose cases run only with `-m slow` (tests/conftest.py): the same check at
+    more ranks or on one more transport, where the quick suite has the case already."""
+    import pytest
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow) for v in values]
+
+
 def transport_params() -> list:
     """pytest params (name, launcher) for LAUNCHERS, each skipped with the reason where its
     transport is unavailable here."""
@@ -56,13 +63,14 @@ def engine_setup(channels: str) -> tuple[str, dict]:
     return ("ucx", {}) if channels == "ucx" else ("native", {"COMM_CHANNELS": channels})
 
 
-def engine_param(*values, channels: str):
+def engine_param(*values, channels: str, slow: bool = False):
     """A pytest param of `values` for the engine over `channels`, skipped with the reason
-    where that transport is unavailable here."""
+    where that transport is unavailable here; slow: run only with `-m slow`."""
     import pytest
     from transports import base
     reason = base.unavailable_reason(engine_setup(channels)[0])
-    return pytest.param(*values, marks=[pytest.mark.skip(reason=f"{channels}: {reason}")] if reason else [])
+    marks = [pytest.mark.skip(reason=f"{channels}: {reason}")] if reason else []
+    return pytest.param(*values, marks=marks + [pytest.mark.slow] * slow)
 
 
 class RanksFailed(AssertionError):

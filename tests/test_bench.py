@@ -22,7 +22,7 @@ from bench.launch import Control, World
 from bench.measure import Mode, Options, Row, aggregate, bandwidth, time_case
 from bench.runners import Runner
 
-from harness import ROOT, mpirun, run_ranks
+from harness import ROOT, mpirun, run_ranks, slow
 from reference import HAVE_TORCH
 
 load_all()
@@ -468,7 +468,7 @@ def test_self_launch_under_mpirun_runs_mpi_raw():
 
 
 @pytest.mark.skipif(NO_MPI_RAW is not None or not HAVE_TORCH, reason=f"mpi-raw: {NO_MPI_RAW}, or no torch")
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [False, *slow(True)])
 def test_async_forms_are_timed_and_checked(persistent):
     """--async: every library's nonblocking call waited for at once (checked like the blocking
     ones); with --persistent, this library's h.start(); h.wait()."""

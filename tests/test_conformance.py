@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import comm
 from comm.ops import OpKind
 from comm.types import DType, ReduceOp
-from harness import assert_no_problems, transport_params
+from harness import assert_no_problems, slow, transport_params
 from reference import (ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, reduce_scatter_v,
                        v_counts, values)
 
@@ -304,7 +304,7 @@ def check_case(world, kind, dtype, count, op, root):
 
 # ---- tests ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("n", [1, 2, 3, *slow(4, 5)])
 def test_all_reduce(cluster, transport, n):
     sizes = SIZES if n <= 3 else SIZES[:3]
     _run(cluster, transport, n, check_all_reduce, ALL_DTYPES, sizes)
@@ -316,18 +316,18 @@ def test_all_reduce_torch_tensors(cluster, transport, n):
     _run(cluster, transport, n, check_all_reduce, ALL_DTYPES, [0, 1, 1001], "torch")
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, *slow(4)])
 def test_reduce_scatter_all_gather(cluster, transport, n):
     _run(cluster, transport, n, check_reduce_scatter_all_gather, ALL_DTYPES, [0, 1, 1001, 70_001])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5])
+@pytest.mark.parametrize("n", [1, 2, 3, *slow(5)])
 def test_broadcast_reduce_gather_scatter(cluster, transport, n):
     _run(cluster, transport, n, check_rooted, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT64, DType.UINT8),
          [0, 1, 1001, 300_001] if n <= 3 else [0, 1, 1001])
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 2, 3, *slow(4)])
 def test_all_to_all(cluster, transport, n):
     _run(cluster, transport, n, check_all_to_all, [DType.FLOAT32, DType.FLOAT16, DType.INT32], 3)
 
@@ -343,12 +343,12 @@ def test_v_collectives_large(cluster, transport):
     _run(cluster, transport, 2, check_v_collectives, [DType.FLOAT32], 3_000_001, (1,), False)
 
 
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, 3, *slow(4)])
 def test_send_recv(cluster, transport, n):
     _run(cluster, transport, n, check_p2p)
 
 
-@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("n", [3, *slow(4)])
 def test_split_groups_and_async(cluster, transport, n):
     _run(cluster, transport, n, check_split_and_async)
 

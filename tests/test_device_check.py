@@ -42,6 +42,7 @@ def test_dry_run_reports_every_check_not_run_with_its_reason():
     assert "==== summary: 0 pass, 0 fail" in out
 
 
+@pytest.mark.slow
 def test_watchdog_reports_a_hang_with_stacks_and_summary():
     # a check that never ends comes first; the budget runs out in it
     done = _run("--dry-run", DEVICE_CHECK_BUDGET="5", DEVICE_CHECK_SELF_TEST="hang")

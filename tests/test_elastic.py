@@ -79,10 +79,11 @@ def _wait_for(path, timeout=30):
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("where", [engine_param("auto", channels="auto"), engine_param("tcp", channels="tcp"),
-                                   engine_param("ucx", channels="ucx"),
-                                   pytest.param("2 hosts", marks=pytest.mark.skipif(
-                                       netns_unavailable() is not None, reason=str(netns_unavailable())))])
+@pytest.mark.parametrize("where", [engine_param("auto", channels="auto"),
+                                   engine_param("tcp", channels="tcp", slow=True),
+                                   engine_param("ucx", channels="ucx", slow=True),
+                                   pytest.param("2 hosts", marks=[pytest.mark.slow, pytest.mark.skipif(
+                                       netns_unavailable() is not None, reason=str(netns_unavailable()))])])
 def test_shrink_after_kills_incl_store_host(tmp_path, where):
     """4 ranks; rank 2 is killed, then (once they shrank) rank 0, which hosts the store: the
     survivors shrink twice (the second time moving the store to rank 1) and every sum stays
@@ -153,6 +154,7 @@ def test_rank_dies_during_shrink():
         assert [s[1] for s in shrinks] == [(0, 2)], shrinks
 
 
+@pytest.mark.slow
 def test_stopped_rank_is_excluded_and_gets_an_error_on_resume():
     """Rank 3 is SIGSTOPped: the survivors time out, shrink without it (declared failed at
     the timeout) and go on; resumed, rank 3 fails with Excluded and the survivors' sums stay
@@ -220,6 +222,7 @@ def test_revoke_wakes_every_rank_and_shrink_keeps_all():
         assert (size, rank, total, failed) == (4, r, 6.0, [])
 
 
+@pytest.mark.slow
 def test_agree_with_a_rank_killed_mid_call():
     """100 agreements of 4 processes, each with a random one SIGKILLed at a random moment
     (rank 0, the store's host, among them): every survivor returns the same decision, the AND
@@ -289,6 +292,7 @@ def grow_round(world, mode, steps):
     return problems, _resources()
 
 
+@pytest.mark.slow
 def test_grow_and_shrink_loop_without_leaks(monkeypatch):
     """3 ranks grow to 4 (a joiner), all_reduce, and shrink back, 22 times (alternately the
     joiner crashes and leaves); over the last 20, fds, threads, shared memory and memory stay
@@ -337,6 +341,7 @@ def test_grow_and_shrink_loop_without_leaks(monkeypatch):
         assert after["rss_kb"] - before["rss_kb"] < 2 << 10, (first, last)
 
 
+@pytest.mark.slow
 def test_elastic_ddp_example(tmp_path):
     """examples/elastic_ddp.py on 4 ranks, rank 2 SIGKILLed at step 20: the survivors shrink and
     a replacement joins; all four finish with identical parameters and the loss keeps falling."""
@@ -449,6 +454,7 @@ def fsdp2_reference(steps: int = 3):
     return [p.detach().tolist() for p in model.parameters()]
 
 
+@pytest.mark.slow
 def test_fsdp2_on_the_torch_group_of_a_shrunk_communicator():
     results = _survivors_of(fsdp2_after_shrink)
     want = fsdp2_reference()

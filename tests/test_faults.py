@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import comm
-from harness import ENGINE_CHANNELS, Cluster, engine_param, engine_setup
+from harness import ENGINE_CHANNELS, Cluster, engine_param, engine_setup, slow
 from bench.cluster import NetnsCluster, unavailable
 from reference import dtypes as dtypes_here
 from transports import base
@@ -68,7 +68,7 @@ def _fault(n, victim, sig, channels="auto"):
 
 
 @pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
-@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("n", [2, *slow(3, 4)])
 def test_peer_killed(n, channels):
     victim = n - 1
     results, _, before = _fault(n, victim, signal.SIGKILL, channels)
@@ -83,8 +83,9 @@ def test_peer_killed(n, channels):
     assert shm_segments() <= before, f"left in /dev/shm: {shm_segments() - before}"
 
 
-@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("channels", [engine_param("auto", channels="auto"),
+                                      engine_param("ucx", channels="ucx", slow=True)])
+@pytest.mark.parametrize("n", [2, *slow(3)])
 def test_peer_stopped(n, channels):
     results, _, _ = _fault(n, 0, signal.SIGSTOP, channels)
     for r, (ok, value, seconds) in results.items():
@@ -157,6 +158,7 @@ def test_flight_recorder_dump(tmp_path):
     assert "rank 0" in dump and "broadcast" in dump and "failed" in dump and "all_reduce" in dump
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 def test_link_cut_between_hosts():
     hosts = NetnsCluster(2)
@@ -219,6 +221,7 @@ def soak(world, iterations, seed):
     return wrong, len(os.listdir("/proc/self/fd")) - fds0, rss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ("auto", "ucx")])
 def test_soak_random_collectives(channels):
     before = shm_segments()

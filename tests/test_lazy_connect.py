@@ -296,6 +296,7 @@ def eight_hosts():
         yield h
 
 
+@pytest.mark.slow
 def test_64_ranks_on_8_hosts(eight_hosts):
     """8 hosts x 8 ranks: every collective kind runs right holding at most 64 descriptors per
     rank (rank 0 also serves the rendezvous store: one socket per rank more); then a rank dies

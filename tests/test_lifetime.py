@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from harness import ENGINE_CHANNELS, HERE, ROOT, engine_param, engine_setup, free_port
+from harness import ENGINE_CHANNELS, HERE, ROOT, engine_param, engine_setup, free_port, slow
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("native") is not None,
@@ -72,8 +72,8 @@ def _engine_env(channels: str) -> dict:
     return {**env, "COMM_TRANSPORT": transport}
 
 
-@pytest.mark.parametrize("channels", [engine_param(c, channels=c) for c in ENGINE_CHANNELS])
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c, slow=c == "ucx") for c in ENGINE_CHANNELS])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 @pytest.mark.parametrize("kind", EXITS)
 def test_every_exit_is_peer_failure(kind, n, channels):
     victim = n - 1
@@ -157,7 +157,7 @@ def test_ctrl_c_interrupts_a_blocked_operation(mode, channels):
     print(f"  peer {peer['error']} in {(peer['at'] - sent) * 1000:.0f} ms: {peer['text']}")
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 def test_rank_killed_during_shm_setup_leaves_nothing(n):
     """Killed after creating its segment, before any peer mapped it: nothing stays in /dev/shm
     and the others' init fails within its timeout."""

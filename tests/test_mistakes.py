@@ -95,6 +95,7 @@ def test_secret_only_on_a_client_fails_every_rank_fast():
 
 
 @needs_native
+@pytest.mark.slow
 def test_different_secrets_under_torch_are_named():
     """init_process_group("comm") rendezvous over torch's store, which has no secret: the data
     connections' handshake is where two secrets meet. The rank whose proof is refused says

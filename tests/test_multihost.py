@@ -14,7 +14,7 @@ import pytest
 
 import comm
 from bench.cluster import NetnsCluster, unavailable
-from harness import Cluster, assert_no_problems
+from harness import Cluster, assert_no_problems, slow
 from reference import dtypes
 from test_moe import _check_layer, ep_layer_all
 from test_conformance import (check_all_reduce, check_all_to_all, check_p2p, check_reduce_scatter_all_gather,
@@ -191,12 +191,12 @@ PLACEMENTS = {"2x2": [0, 0, 1, 1], "3x1": [0, 1, 2], "3+1": [0, 0, 0, 1], "3+2":
               "cyclic": [0, 1, 0, 1]}
 
 
-@pytest.mark.parametrize("name", PLACEMENTS)
+@pytest.mark.parametrize("name", ["2x2", "3+2", *slow("3x1", "3+1", "cyclic")])
 def test_placement(hosts, name):
     run_suite(hosts, PLACEMENTS[name], "native")
 
 
-@pytest.mark.parametrize("name", ["2x2", "3+2"])
+@pytest.mark.parametrize("name", ["2x2", *slow("3+2")])
 @pytest.mark.skipif(base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}")
 def test_placement_over_ucx(hosts, name):
     """The engine's algorithms, two-level ones included, over UCX's channels across hosts."""
@@ -258,7 +258,7 @@ def moe_layer(world):
     return ep_layer_all(world), world._transport.last_algorithm
 
 
-@pytest.mark.parametrize("name", ["2x2", "cyclic", "3+1"])
+@pytest.mark.parametrize("name", ["2x2", *slow("cyclic", "3+1")])
 def test_moe_layer_across_hosts(hosts, name):
     """Expert-parallel dispatch and combine, whose all_to_all_v runs aggregated per host pair."""
     c = start(hosts, PLACEMENTS[name])
@@ -359,8 +359,8 @@ def storm(world, kind, seconds):
 
 
 @pytest.mark.parametrize("fault,kind,name", [("kill", "all_reduce", "2x2"), ("cut", "all_to_all", "2x2"),
-                                             ("cut", "all_reduce", "2x2"), ("kill", "all_to_all", "2x2"),
-                                             ("cut", "all_to_all", "3+2")])
+                                             *slow(("cut", "all_reduce", "2x2"), ("kill", "all_to_all", "2x2"),
+                                                   ("cut", "all_to_all", "3+2"))])
 def test_host_lost(hosts, fault, kind, name):
     """Host 1's ranks killed at once, or its link cut, mid-operation (all_to_all on 3+2: its
     blocks go through forwarders): every survivor fails with PeerFailure or CommTimeout within

@@ -220,6 +220,7 @@ def _latency_loop(world, iters):
     return (time.perf_counter() - start) / iters, float(big[0])
 
 
+@pytest.mark.slow
 def test_eight_ranks_on_two_cores():
     """Oversubscribed ranks must sleep, not spin: 8 ranks on this machine still progress."""
     results = run_ranks(_latency_loop, 8, 300, timeout=180)

@@ -61,7 +61,7 @@ if sys.argv[4]:
         error = "init succeeded"
 modules = sorted(m for m in sys.modules if m.split(".")[0] in ("comm", "transports", "bench"))
 import pytest   # collection only: running the suite once per hidden package would take too long here
-collected = int(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", sys.argv[2]]))
+collected = int(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow", sys.argv[2]]))
 print(json.dumps({"failed": failed, "error": error, "modules": modules, "collect_exit": collected}))
 """
 

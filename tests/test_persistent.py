@@ -17,7 +17,8 @@ import pytest
 
 import comm
 from comm.types import DType
-from harness import ENGINE_CHANNELS, Cluster, abort_while_blocked, assert_no_problems, engine_param, engine_setup
+from harness import (ENGINE_CHANNELS, Cluster, abort_while_blocked, assert_no_problems, engine_param, engine_setup,
+                     slow)
 from reference import ALL_DTYPES, dtypes
 from test_conformance import (check_all_reduce, check_all_to_all, check_reduce_scatter_all_gather,
                               check_rooted, transport)  # noqa: F401 (the transport fixture)
@@ -79,7 +80,7 @@ def _torch_ok() -> bool:
     return True
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [2, *slow(3)])
 def test_results_equal_one_shot(cluster, transport, n):  # noqa: F811
     name, launcher = transport
     assert_no_problems(cluster(n, name, launcher).run(check_conformance_persistently, _torch_ok(),

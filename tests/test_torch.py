@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from harness import slow
 from torch_ranks import process_group, ranks  # noqa: F401  (a fixture)
 
 import comm
@@ -165,7 +166,7 @@ def _collectives(rank, size, port):
     return True
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 def test_collectives(ranks, n):
     assert ranks(n, _collectives) == [True] * n
 
@@ -182,7 +183,7 @@ def _ring(rank, size, port):
         return got.tolist()
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 def test_batch_isend_irecv_ring(ranks, n):
     assert ranks(n, _ring, timeout=60) == [[float((r - 1) % n)] * 2 for r in range(n)]
 
@@ -272,7 +273,7 @@ def _ddp(rank, size, port):
     return diffs
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 def test_ddp_matches_gloo(ranks, n):
     for diffs in ranks(n, _ddp):
         assert diffs["plain"] <= 1e-6 and diffs["find_unused"] <= 1e-6 and diffs["allreduce_hook"] <= 1e-6, diffs

@@ -224,6 +224,7 @@ def jobs(tmp_path_factory):
     return _run(jobs)
 
 
+@pytest.mark.slow
 def test_other_modules_import_silently_without_torch(jobs):
     code, out, err = jobs["others"]
     assert (code, err) == (0, ""), (code, out, err)

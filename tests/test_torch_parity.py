@@ -15,7 +15,7 @@ import time
 import warnings
 
 import pytest
-from harness import ROOT, free_port
+from harness import ROOT, free_port, slow
 from torch_ranks import process_group, ranks  # noqa: F401  (a fixture)
 
 from comm import config
@@ -196,7 +196,7 @@ def _parity(rank, size, port):
     return checks
 
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, *slow(4)])
 def test_parity_with_gloo(ranks, n):
     results = ranks(n, _parity, timeout=240)
     peers = list(range(1, n))

@@ -129,6 +129,7 @@ def close_right_after(world, iterations, nbytes):
     return []
 
 
+@pytest.mark.slow
 def test_close_right_after_a_collective(cluster):
     _run(cluster, 5, close_right_after, 120, 256 << 10)
 

@@ -206,6 +206,10 @@ class NativeTransport(Transport):
                 # A communicator dropped without close(): its acceptor thread ends with it.
                 weakref.finalize(self, self._links.close)
                 self._links.connect_planned(peers, time.monotonic() + ctx.timeout)
+                if len(peers) == ctx.size - 1:
+                    # every peer planned (so every peer plans this rank too: the plan is
+                    # symmetric): nobody will dial later, and no listener stays open
+                    self._links.close()
                 socks = {}
             else:
                 socks = self._connect_mesh(ctx, listener, infos, token, set(local))
