@@ -72,9 +72,9 @@ def _engine_env(channels: str) -> dict:
     return {**env, "COMM_TRANSPORT": transport}
 
 
-@pytest.mark.parametrize("channels", [engine_param(c, channels=c, slow=c == "ucx") for c in ENGINE_CHANNELS])
+@pytest.mark.parametrize("channels", [engine_param(c, channels=c, slow=c != "auto") for c in ENGINE_CHANNELS])
 @pytest.mark.parametrize("n", [2, *slow(4)])
-@pytest.mark.parametrize("kind", EXITS)
+@pytest.mark.parametrize("kind", ["exception", "sigkill", *slow(*(e for e in EXITS if e not in ("exception", "sigkill")))])
 def test_every_exit_is_peer_failure(kind, n, channels):
     victim = n - 1
     reports = Job("exit_kinds", n, {"VICTIM": str(victim), "KIND": kind, **_engine_env(channels)}).finish()

@@ -22,6 +22,7 @@ def _all_reduce_3gib(world):
                 x[-2] == want and x[-1] == 7 * sum(range(world.size))), world._transport.last_algorithm
 
 
+@pytest.mark.slow
 def test_three_gib_buffer():
     """Byte counts past 2**31 and 2**32 stay exact (uint8 SUM keeps it quick)."""
     avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

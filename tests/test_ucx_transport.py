@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import ROOT, Cluster, assert_no_problems, run_ranks
+from harness import ROOT, Cluster, assert_no_problems, run_ranks, slow
 from reference import dtypes
 
 import comm
@@ -69,7 +69,7 @@ def test_async_work_returns_at_once(cluster):
     _run(cluster, 2, async_does_not_block)
 
 
-@pytest.mark.parametrize("algo", ["ring", "rd", "tree"])
+@pytest.mark.parametrize("algo", ["ring", *slow("rd", "tree")])
 def test_algorithm_override(cluster, algo):
     from test_conformance import check_all_reduce
     _run(cluster, 3, check_all_reduce, dtypes(DType.FLOAT32, DType.BFLOAT16, DType.INT32), [0, 1, 300_001],
