@@ -364,3 +364,42 @@ def test_descriptor_limit_too_low_is_named():
                 env={"COMM_CONNECT": "eager", "COMM_CHANNELS": "tcp", "COMM_TIMEOUT": "10"})
     text = "\n".join(e.value.failures.values())
     assert "ulimit -n" in text and "file descriptors" in text, text
+
+
+_MANY_FDS = r"""
+import os, resource, sys, numpy as np, comm
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]   # what comes next lies past 1024
+rank = int(sys.argv[1])
+with comm.init(rank=rank, world_size=2, master_addr="127.0.0.1", master_port=int(sys.argv[2]),
+               timeout=30) as world:
+    x = np.full(8, rank + 1.0)
+    world.all_reduce(x)
+    y = np.zeros(8)
+    if rank == 0:
+        world.send(x, 1)
+    else:
+        world.recv(y, 0)
+    print(float(x[0]), float(y[0]))
+"""
+
+
+@pytest.mark.parametrize("connect", ["lazy", "eager"])
+def test_descriptors_past_1024(connect):
+    """Set-up and the store with every socket's descriptor above 1024 (a thousand-rank job's
+    store host, or a process holding many files): nothing may wait on select(), which cannot
+    take them."""
+    import resource
+    import subprocess
+    import sys
+    from harness import ROOT, free_port
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 2048:
+        pytest.skip("the hard limit on descriptors is under 2048 here")
+    port = free_port()
+    env = dict(os.environ, COMM_CONNECT=connect, COMM_CHANNELS="tcp", PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([sys.executable, "-c", _MANY_FDS, str(r), str(port)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.split() for o, _ in outs] == [["3.0", "0.0"], ["3.0", "3.0"]], outs

@@ -42,6 +42,21 @@ _YES, _NO = b"Y", b"N"  # a lazy set's monitor: kept, or the peer's own dial win
 _MARGIN = 64
 
 
+def readable(socks: list, timeout: float) -> list:
+    """Those of `socks` with something to read (or closed) within `timeout` seconds. poll(), not
+    select(): at a thousand ranks a process's descriptors lie past select's limit of 1024 (and
+    select raises on them). Raises ValueError for a socket closed under us."""
+    poller = select.poll()
+    by_fd = {}
+    for s in socks:
+        fd = s.fileno()
+        if fd < 0:
+            raise ValueError("a socket was closed")
+        by_fd[fd] = s
+        poller.register(fd, select.POLLIN)
+    return [by_fd[fd] for fd, _ in poller.poll(max(0.0, timeout) * 1000)]
+
+
 def wake(s: socket.socket) -> None:
     """End a handshake from outside: its thread's blocked recv returns, and it closes `s`."""
     with contextlib.suppress(OSError):
@@ -270,7 +285,7 @@ class Links:
                     wake(s)
                 wait = min(self._pending.values(), default=now + 3600) - now
             try:
-                ready, _, _ = select.select([listener, self._wake_r], [], [], max(0.0, wait))
+                ready = readable([listener, self._wake_r], wait)
             except (OSError, ValueError):  # closed under us
                 return
             if self._wake_r in ready:

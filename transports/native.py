@@ -24,7 +24,6 @@ import contextlib
 import json
 import os
 import secrets
-import select
 import socket
 import threading
 import time
@@ -39,7 +38,7 @@ from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
 from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Links, dial,
-                              reserve_descriptors, roles, wake)
+                              readable, reserve_descriptors, roles, wake)
 
 try:
     from comm import _native
@@ -321,7 +320,7 @@ class NativeTransport(Transport):
                                "with another COMM_SECRET, or a stranger)" if state["refused"] else "")
                     raise CommTimeout(f"{state['missing']} connections from higher ranks never arrived{refused}",
                                       rank=ctx.rank, op="init")
-                ready, _, _ = select.select([listener, wake_r], [], [], wake_at - now)
+                ready = readable([listener, wake_r], wake_at - now)
                 if wake_r in ready:
                     wake_r.recv(4096)
                 if listener not in ready:
