@@ -421,7 +421,10 @@ class StoreServer:
         if refused is not None:
             return refused
         if self._closed:
-            return _TIMEOUT, b"rank 0 closed the rendezvous store"
+            why = "rank 0 closed the rendezvous store"
+            if len(self._joined) < self._size:
+                why += f"; {self._waiting()}"
+            return _TIMEOUT, why.encode()
         gone = next((r for r in watch if self._gone(r)), None)
         return None if gone is None else (_GONE, str(gone).encode())
 
