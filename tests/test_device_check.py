@@ -30,6 +30,7 @@ def _run(*args, **env):
                           env=dict(os.environ, PYTHON=sys.executable, **env))
 
 
+@pytest.mark.slow
 def test_dry_run_reports_every_check_not_run_with_its_reason():
     done = _run("--dry-run")
     out = done.stdout

@@ -146,6 +146,7 @@ def stalled(world, path):
     return None
 
 
+@pytest.mark.slow
 def test_flight_recorder_dump(tmp_path):
     path = tmp_path / "flight.txt"
     c = Cluster(2, env={"COMM_TIMEOUT": "2", "COMM_FLIGHT_RECORDER": str(path)})

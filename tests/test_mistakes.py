@@ -113,6 +113,7 @@ def test_different_secrets_under_torch_are_named():
 
 
 @needs_native
+@pytest.mark.slow
 def test_secret_missing_on_a_client():
     """Rank 0 has a secret, rank 1 not: rank 1 fails at once; rank 0 cannot trust an
     unauthenticated claim to end the job, so it reports the refusal while it waits and in

@@ -196,7 +196,7 @@ def test_placement(hosts, name):
     run_suite(hosts, PLACEMENTS[name], "native")
 
 
-@pytest.mark.parametrize("name", ["2x2", *slow("3+2")])
+@pytest.mark.parametrize("name", [*slow("2x2", "3+2")])
 @pytest.mark.skipif(base.unavailable_reason("ucx") is not None, reason=f"ucx: {base.unavailable_reason('ucx')}")
 def test_placement_over_ucx(hosts, name):
     """The engine's algorithms, two-level ones included, over UCX's channels across hosts."""
