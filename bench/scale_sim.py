@@ -22,7 +22,6 @@ import argparse
 import json
 import multiprocessing as mp
 import socket
-import statistics
 import sys
 import threading
 import time

@@ -388,10 +388,14 @@ class StoreServer:
                 return _OK, self._data[key]
             if left() is not None:
                 return _GONE, str(left()).encode()
-            why = self._waiting() if len(self._joined) < self._size else ""
-            if self._closed:
-                why = "rank 0 closed the rendezvous store" + (f"; {why}" if why else "")
-            return _TIMEOUT, why.encode()
+            return _TIMEOUT, self._why_not(None).encode()
+
+    def _why_not(self, what: str | None) -> str:
+        """With the lock held: why a wait ended unanswered: that rank 0 closed the store, `what`,
+        and while the job is still gathering, who has not joined."""
+        parts = ["rank 0 closed the rendezvous store" if self._closed else None, what,
+                 self._waiting() if len(self._joined) < self._size else None]
+        return "; ".join(p for p in parts if p)
 
     def _gather(self, sock: socket.socket, key: str, timeout: float, value: bytes,
                 uid: int) -> tuple[int, bytes] | None:
@@ -421,19 +425,13 @@ class StoreServer:
         if refused is not None:
             return refused
         if self._closed:
-            why = "rank 0 closed the rendezvous store"
-            if len(self._joined) < self._size:
-                why += f"; {self._waiting()}"
-            return _TIMEOUT, why.encode()
+            return _TIMEOUT, self._why_not(None).encode()
         gone = next((r for r in watch if self._gone(r)), None)
         return None if gone is None else (_GONE, str(gone).encode())
 
     def _gather_timed_out(self, key: str, missing: list[int], size: int) -> bytes:
         """With the lock held: why a gather's member waited in vain."""
-        why = f"members {_ranks(missing)} of {size} of the group did not get there"
-        if len(self._joined) < self._size:
-            why += f"; {self._waiting()}"
-        return why.encode()
+        return self._why_not(f"members {_ranks(missing)} of {size} of the group did not get there").encode()
 
     def _count_busy(self, n: int) -> None:
         """With the lock held: n more (or fewer) replies owed."""
