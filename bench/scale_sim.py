@@ -5,11 +5,12 @@ Every simulated rank is a thread holding a real comm.store.Store client, connect
 to a real StoreServer, which runs in a process of its own as rank 0's process would host it
 (the clients run in --procs worker processes, so that neither side's GIL is the other's bound).
 Each rank joins, then makes the store exchanges comm.init makes before any data connection:
-the topology gather (host ids), the native engine's gather of addresses, and its two
-shared-memory gathers where a host holds several ranks, with payloads of the real sizes.
-Reported: the time from the moment every rank has joined to the moment the last rank has
-every answer, the store requests per rank, and a check that every rank received every other
-rank's value (a wrong or missing answer fails the run).
+the topology gather (every rank's host id), the native engine's gather of its planned peers'
+addresses (the engine's own plan, Engine.planned_peers, of the simulated topology), and its
+two shared-memory gathers among each host's ranks, with payloads of the real sizes. Reported:
+the time from the moment every rank has joined to the moment the last rank has every answer,
+the store requests per rank, and a check that every rank received exactly the values it
+asked for, as every other rank gave them (a wrong or missing answer fails the run).
 
 --anchors also times one gather in the pattern comm used before (each rank sets its key, then
 gets every other rank's: N round trips per rank) on the same store, and in that same pattern
@@ -26,15 +27,16 @@ import sys
 import threading
 import time
 
-from comm.store import KeyValueStore, Store, StoreServer
 from comm import rendezvous
+from comm._native import _native
+from comm.store import KeyValueStore, Store, StoreServer
 
 
 def _info(rank: int, hosts: int, per_host: int) -> bytes:
     """The native engine's address record, as transports/native.py publishes it."""
     host = rank // per_host
-    return json.dumps({"host": f"sim-host-{host:05d}", "addr": f"198.18.{host >> 8}.{host & 255}",
-                       "port": 40000 + rank % 20000, "token": f"{rank * 2654435761 % 2**64:032x}", "sockets": 4}).encode()
+    return json.dumps({"addr": f"198.18.{host >> 8}.{host & 255}", "port": 40000 + rank % 20000,
+                       "token": f"{rank * 2654435761 % 2**64:032x}", "sockets": 4, "lazy": True}).encode()
 
 
 class _Counting(Store):
@@ -58,17 +60,27 @@ def _host(rank: int, per_host: int) -> bytes:
 
 
 def _bootstrap(store: Store, rank: int, size: int, per_host: int, pattern: str, full: bool,
-               expected: dict[str, list[bytes]]) -> bool:
+               expected: dict[str, list[bytes]], plan: list[list[int]]) -> bool:
     """The store exchanges of comm.init for one rank (full), or its first gather alone; True
-    when every answer is what every rank gave. Checked by comparing whole lists: a real rank
-    parses its answers on its own core; here thousands of ranks share two."""
+    when every answer is what every rank gave. As transports/native.py makes them (pattern
+    "gather"): the topology from every rank, the addresses of the planned peers only (`plan`:
+    the engine's own plan of this topology), the shared-memory records of this host's ranks
+    only; pattern "rounds" gathers every rank's value each time, a set and a get per rank, as
+    comm did before. Checked by comparing whole answers: a real rank parses its answers on its
+    own core; here thousands of ranks share two."""
     ok = _pattern_gather(store, "topology", _host(rank, per_host), pattern) == expected["topology"]
     if not full:
         return ok
-    ok &= _pattern_gather(store, "native/info", expected["native/info"][rank], pattern) == expected["native/info"]
+    local = range(rank - rank % per_host, min(size, rank - rank % per_host + per_host))
+
+    def exchange(key: str, want) -> bool:
+        if pattern == "rounds":
+            return _pattern_gather(store, key, expected[key][rank], pattern) == expected[key]
+        return store.gather_some(key, expected[key][rank], want) == {r: expected[key][r] for r in want}
+
+    ok &= exchange("native/info", [*plan[rank], rank])
     if per_host > 1:   # the shared-memory segments and the single-copy votes
-        ok &= _pattern_gather(store, "native/shm", expected["native/shm"][rank], pattern) == expected["native/shm"]
-        ok &= _pattern_gather(store, "native/cma", b"1", pattern) == expected["native/cma"]
+        ok &= exchange("native/shm", local) & exchange("native/cma", local)
     return bool(ok)
 
 
@@ -84,6 +96,7 @@ def _worker(ranks, size, per_host, port, pattern, full, go, out) -> None:
     """One worker process: a thread per simulated rank, each with its own Store client."""
     ready = threading.Barrier(len(ranks) + 1)
     expected = _expected(size, per_host)
+    plan = _native.planned_peers_all([r // per_host for r in range(size)]) if full else []
     start = threading.Event()
     results = {}
 
@@ -98,7 +111,7 @@ def _worker(ranks, size, per_host, port, pattern, full, go, out) -> None:
         start.wait()
         store.requests = 0
         try:
-            ok = _bootstrap(store, rank, size, per_host, pattern, full, expected)
+            ok = _bootstrap(store, rank, size, per_host, pattern, full, expected, plan)
             results[rank] = (ok, store.requests, time.monotonic(), "")
         except Exception as e:
             results[rank] = (False, store.requests, time.monotonic(), repr(e))

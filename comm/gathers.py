@@ -24,12 +24,14 @@ _REPLY = struct.Struct("!BI")  # status, reply length (comm.store's reply header
 
 
 class _Gather:
-    __slots__ = ("size", "missing", "waiting")
+    __slots__ = ("size", "missing", "waiting", "wants")
 
     def __init__(self, size: int, missing: set[int]) -> None:
         self.size, self.missing = size, missing
         # members owed a reply: their connection -> (deadline, uids watched, their uid)
         self.waiting: dict[socket.socket, tuple[float, list[int], int]] = {}
+        # members that asked for some members' values only: their connection -> those members
+        self.wants: dict[socket.socket, tuple[int, ...]] = {}
 
 
 def pack_reply(values: list[bytes]) -> bytes:
@@ -71,16 +73,19 @@ class Gathers:
         threading.Thread(target=self._writer, name="comm-store-replies", daemon=True).start()
 
     def contribute(self, sock, key: str, member: int, size: int, watch: list[int], uid: int,
-                   deadline: float, present: Callable[[int], bool]) -> str | None:
+                   deadline: float, present: Callable[[int], bool],
+                   want: tuple[int, ...] | None = None) -> str | None:
         """Member `member` of a group of `size` waits for gather `key` (its value is set);
-        present(m): member m's value is set. None: the reply will come from the writer; else
-        the disagreement to answer now."""
+        present(m): member m's value is set; want: the members whose values it asks for (None:
+        all). None: the reply will come from the writer; else the disagreement to answer now."""
         g = self._open.get(key)
         if g is None:   # values set before the gather opened (a plain set of a member's key) count
             g = self._open[key] = _Gather(size, {m for m in range(size) if not present(m)})
         if g.size != size:
             return f"ranks disagree on the size of the group gathering {key!r}: {g.size} and {size}"
         g.waiting[sock] = (deadline, watch, uid)
+        if want is not None:
+            g.wants[sock] = want
         self.arrived(key, member)
         if key in self._open and deadline < self._next_sweep:
             self._next_sweep = deadline
@@ -94,9 +99,11 @@ class Gathers:
             return
         g.missing.discard(member)
         if not g.missing:
-            reply = pack_reply(self._values(key, g.size))
+            values = self._values(key, g.size)
+            everything = pack_reply(values) if len(g.wants) < len(g.waiting) else b""
             for s in g.waiting:
-                self._queue(s, self._ok, reply)
+                want = g.wants.get(s)
+                self._queue(s, self._ok, everything if want is None else pack_reply([values[m] for m in want]))
             del self._open[key]
             self._poke()
 
@@ -113,6 +120,7 @@ class Gathers:
             self._busy(-len(dropped))
         for g in self._open.values():
             g.waiting.pop(sock, None)
+            g.wants.pop(sock, None)
 
     def stop(self) -> None:
         self._stopped = True
@@ -145,6 +153,7 @@ class Gathers:
                     self._next_sweep = min(self._next_sweep, deadline)
                     continue
                 del g.waiting[s]
+                g.wants.pop(s, None)
                 self._queue(s, *answer)
             if not g.waiting:   # nobody waits for it any more: the host forgets it
                 del self._open[key]

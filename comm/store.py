@@ -35,7 +35,10 @@ _SET, _GET, _ADD, _JOIN, _AGREE, _GATHER = 1, 2, 3, 4, 5, 6
 _OK, _TIMEOUT, _MISMATCH, _REFUSED, _EXCLUDED, _GONE = 0, 1, 2, 3, 4, 5
 _HDR = struct.Struct("!BIdI")        # op, key length, timeout (s), value length
 _REPLY = struct.Struct("!BI")        # status, reply length
-_GATHER_HDR = struct.Struct("!III")  # a gather's value: member, group size, watch list length
+# A gather's value: member, group size, watch list length, wanted members (EVERY: all), then the
+# watch list (JSON), the wanted members (uint32 each) and the member's value.
+_GATHER_HDR = struct.Struct("!IIII")
+_EVERY = 0xFFFFFFFF
 MAX_GROUP = 1 << 20                   # members of one gather
 MAX_KEY = 4096
 MAX_VALUE = 1 << 20                   # bootstrap data is addresses and small metadata
@@ -401,13 +404,15 @@ class StoreServer:
                 uid: int) -> tuple[int, bytes] | None:
         """One member's value for gather `key` (comm.gathers); None: the reply comes later."""
         try:
-            member, size, wlen = _GATHER_HDR.unpack_from(value)
+            member, size, wlen, nwant = _GATHER_HDR.unpack_from(value)
             watch = [int(r) for r in json.loads(value[_GATHER_HDR.size:_GATHER_HDR.size + wlen])] if wlen else []
+            at = _GATHER_HDR.size + wlen
+            want = None if nwant == _EVERY else struct.unpack_from(f"!{nwant}I", value, at)
         except (struct.error, ValueError, TypeError):
             raise ConnectionError("malformed gather") from None
-        if not 0 <= member < size <= MAX_GROUP:
+        if not 0 <= member < size <= MAX_GROUP or (want is not None and any(m >= size for m in want)):
             raise ConnectionError("malformed gather")
-        payload = value[_GATHER_HDR.size + wlen:]
+        payload = value[at + (0 if want is None else 4 * nwant):]
         with self._cond:
             refused = self._refusal(uid)
             if refused is not None:
@@ -416,7 +421,7 @@ class StoreServer:
             if status != _OK:
                 return status, reply
             error = self._gathers.contribute(sock, key, member, size, watch, uid, time.monotonic() + timeout,
-                                             lambda m: f"{key}/{m}" in self._data)
+                                             lambda m: f"{key}/{m}" in self._data, want)
             return None if error is None else (_MISMATCH, error.encode())
 
     def _gather_verdict(self, uid: int, watch: list[int]) -> tuple[int, bytes] | None:
@@ -512,6 +517,13 @@ class KeyValueStore:
         """Every rank's value for `key`, indexed by rank."""
         self.set(f"{key}/{self.rank}", value)
         return [value if r == self.rank else self.get(f"{key}/{r}") for r in range(self.size)]
+
+    def gather_some(self, key: str, value: bytes, want) -> dict[int, bytes]:
+        """Collective like all_gather (every rank gives its value), but this rank gets the
+        values of the ranks in `want` only, by rank. Any rank's value stays readable later
+        with get(f"{key}/{rank}")."""
+        self.set(f"{key}/{self.rank}", value)
+        return {r: value if r == self.rank else self.get(f"{key}/{r}") for r in sorted(set(want))}
 
     def barrier(self, key: str) -> None:
         if self.add(f"{key}/count", 1) == self.size:
@@ -692,15 +704,32 @@ class Store(KeyValueStore):
     def all_gather(self, key: str, value: bytes) -> list[bytes]:
         """One request and one reply, whatever the group's size (the host answers when every
         member's value is there)."""
-        reply = self._call(_GATHER, key, _GATHER_HDR.pack(self.rank, self.size, len(self._watch))
-                           + self._watch + value)
+        return self._gather(key, value, None)
+
+    def gather_some(self, key: str, value: bytes, want) -> dict[int, bytes]:
+        """all_gather's one round trip, answered with the values of the members in `want` only:
+        at thousands of ranks, replies of every member's value would make the host send
+        gigabytes where each rank needs a few dozen."""
+        want = sorted(set(want))
+        if want and not 0 <= want[0] <= want[-1] < self.size:
+            bad = next(r for r in want if not 0 <= r < self.size)
+            raise InvalidArgument(f"gather {key!r} asks for rank {bad}, not in the group of {self.size}",
+                                  rank=self.rank, op="bootstrap")
+        return dict(zip(want, self._gather(key, value, want)))
+
+    def _gather(self, key: str, value: bytes, want: list[int] | None) -> list[bytes]:
+        wanted = b"" if want is None else struct.pack(f"!{len(want)}I", *want)
+        reply = self._call(_GATHER, key, _GATHER_HDR.pack(self.rank, self.size, len(self._watch),
+                                                          _EVERY if want is None else len(want))
+                           + self._watch + wanted + value)
         try:
             values = unpack_reply(reply)
         except struct.error:
             values = []
-        if len(values) != self.size:
-            raise CommError(f"the store's host answered gather {key!r} with {len(values)} values for a "
-                            f"group of {self.size}", rank=self.rank, op="bootstrap")
+        expect = self.size if want is None else len(want)
+        if len(values) != expect:
+            raise CommError(f"the store's host answered gather {key!r} with {len(values)} values where "
+                            f"{expect} were asked for", rank=self.rank, op="bootstrap")
         return values
 
     def barrier(self, key: str) -> None:

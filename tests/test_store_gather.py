@@ -12,7 +12,7 @@ import pytest
 
 from comm import auth
 from comm import store as store_mod
-from comm.errors import CommError, CommTimeout, Mismatch, PeerFailure
+from comm.errors import CommError, CommTimeout, InvalidArgument, Mismatch, PeerFailure
 from comm.store import Store
 
 
@@ -162,6 +162,24 @@ def test_a_value_set_by_hand_counts(host):
         s.close()
 
 
+def test_members_that_want_some_values_get_only_those(host):
+    """gather_some: one round trip like all_gather, but each member's reply holds only the
+    members it named (a planned peer's address at thousands of ranks), while any member's value
+    stays readable with a plain get; a rank out of the group is refused before anything is sent."""
+    port = host(4)
+    stores = _clients(port, 4)
+    wants = [[1], [0, 2, 3], [], [3, 3, 0]]
+    results = _each(stores, lambda r, s: s.gather_some("addr", f"a{r}".encode(), wants[r]))
+    assert results == [{1: b"a1"}, {0: b"a0", 2: b"a2", 3: b"a3"}, {}, {0: b"a0", 3: b"a3"}]
+    assert stores[2].get("addr/1") == b"a1"
+    mixed = _each(stores, lambda r, s: s.all_gather("mix", b"%d" % r) if r % 2 else s.gather_some("mix", b"%d" % r, [r]))
+    assert mixed == [{0: b"0"}, [b"0", b"1", b"2", b"3"], {2: b"2"}, [b"0", b"1", b"2", b"3"]]
+    with pytest.raises(InvalidArgument, match="asks for rank 4, not in the group of 4"):
+        stores[0].gather_some("bad", b"", [4])
+    for s in stores:
+        s.close()
+
+
 def test_a_member_that_does_not_read_holds_up_nobody(host):
     """Replies of several MiB: a member that stops reading fills its socket; the others still get
     theirs (the writer never blocks on one member)."""
@@ -175,7 +193,7 @@ def test_a_member_that_does_not_read_holds_up_nobody(host):
     assert struct.unpack("!BI", auth.recv_exact(raw, 5))[0] == 0
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     big = b"z" * (1000 << 10)   # an 8 MB reply: more than the kernel buffers for one connection
-    value = struct.pack("!III", size - 1, size, 0) + big
+    value = store_mod._GATHER_HDR.pack(size - 1, size, 0, store_mod._EVERY) + big
     raw.sendall(store_mod._HDR.pack(store_mod._GATHER, 1, 20.0, len(value)) + b"k" + value)
     results = _each(stores, lambda r, s: s.all_gather("k", big))
     assert all(res == [big] * size for res in results), [type(r) for r in results]

@@ -11,11 +11,15 @@ plan for (Engine.planned_peers) and any other peer when an operation first needs
 listener and its acceptor live as long as the communicator. Both ends may need each other
 at once and dial together; the acceptor answers each set's monitor connection yes or no,
 and of two sets dialed at once between a pair only the lower rank's is kept.
+
+Set-up gathers the address records (Infos) of the planned peers only; a record of any other
+peer is read from the store when that peer is first dialed or dials this rank.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import resource
 import select
@@ -55,6 +59,24 @@ def readable(socks: list, timeout: float) -> list:
         by_fd[fd] = s
         poller.register(fd, select.POLLIN)
     return [by_fd[fd] for fd, _ in poller.poll(max(0.0, timeout) * 1000)]
+
+
+class Infos:
+    """The peers' address records by rank: those gathered at set-up, and any other read from
+    the store (the key its gather left, "<key>/<rank>") the first time it is needed."""
+
+    def __init__(self, known: dict, store, key: str) -> None:
+        self._known, self._store, self._key = known, store, key
+        self._lock = threading.Lock()
+
+    def __getitem__(self, peer: int) -> dict:
+        with self._lock:
+            info = self._known.get(peer)
+        if info is None:   # a CommError (the store is gone) fails the connection that asked
+            info = json.loads(self._store.get(f"{self._key}/{peer}"))
+            with self._lock:
+                self._known[peer] = info
+        return info
 
 
 def wake(s: socket.socket) -> None:
@@ -325,7 +347,7 @@ class Links:
             peer, role, their_token = IDENT.unpack(auth.recv_exact(s, IDENT.size))
             ours = their_token == self._token and 0 <= peer < ctx.size and peer != ctx.rank
             ours = ours and role in roles(ctx, self._infos, peer, self._local, None)
-        except (OSError, auth.HandshakeError) as e:  # a stranger or a wrong secret
+        except (OSError, auth.HandshakeError, CommError) as e:  # a stranger, a wrong secret, no store
             ours = False
             if isinstance(e, auth.HandshakeError):
                 with self._cond:

@@ -37,8 +37,8 @@ from comm.types import DType, ReduceOp, op_allowed
 from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, register)
-from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Links, dial,
-                              readable, reserve_descriptors, roles, wake)
+from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Infos, Links,
+                              dial, readable, reserve_descriptors, roles, wake)
 
 try:
     from comm import _native
@@ -175,22 +175,27 @@ class NativeTransport(Transport):
             listener.bind((addr, 0))
             listener.listen(max(128, 4 * ctx.size))
             token = secrets.token_bytes(16)
-            me = {"host": ctx.host_id, "addr": addr, "port": listener.getsockname()[1], "token": token.hex(),
-                  "sockets": max(1, int(config.get("COMM_SOCKETS_PER_PEER"))), "lazy": lazy}
-            infos = [json.loads(v) for v in store.all_gather("native/info", json.dumps(me).encode())]
-            if len({i["lazy"] for i in infos}) > 1:
-                eager = [r for r, i in enumerate(infos) if not i["lazy"]]
-                raise InvalidArgument(f"ranks {eager[:8]} set COMM_CONNECT=eager and the others lazy: every rank "
-                                      "must connect alike", rank=ctx.rank, op="init")
+            hosts = ctx.host_ids or tuple(h.decode() for h in store.all_gather("native/hosts", ctx.host_id.encode()))
             tcp_only = self.net is not None or config.get("COMM_CHANNELS") == "tcp"
-            local = [] if tcp_only else [r for r, i in enumerate(infos) if i["host"] == ctx.host_id]
+            local = [] if tcp_only else [r for r, h in enumerate(hosts) if h == ctx.host_id]
             engine = _native.Engine(ctx.rank, ctx.size, local if len(local) > 1 else [],
                                     float(ctx.timeout), config.get("COMM_ALGO") or "",
                                     int(config.get("COMM_CHUNK_BYTES")), DIRECT_MAX_BYTES)
             # The two-level algorithms' grouping: as comm.topology numbers hosts.
-            labels = {h: i for i, h in reversed(list(enumerate(i["host"] for i in infos)))}
-            engine.set_hosts([labels[i["host"]] for i in infos])
+            labels = {h: i for i, h in reversed(list(enumerate(hosts)))}
+            engine.set_hosts([labels[h] for h in hosts])
             peers = engine.planned_peers() if lazy else [p for p in range(ctx.size) if p != ctx.rank]
+            # Only the planned peers' addresses travel: at thousands of ranks every rank's would
+            # make the store's host send gigabytes. Others are fetched when first dialed (Infos).
+            me = {"addr": addr, "port": listener.getsockname()[1], "token": token.hex(),
+                  "sockets": max(1, int(config.get("COMM_SOCKETS_PER_PEER"))), "lazy": lazy}
+            got = store.gather_some("native/info", json.dumps(me).encode(), [*peers, ctx.rank])
+            infos = Infos({r: json.loads(v) for r, v in got.items()}, store, "native/info")
+            eager = [r for r in sorted(got) if not infos[r]["lazy"]]
+            if eager and len(eager) < len(got):
+                raise InvalidArgument(f"ranks {eager[:8]} set COMM_CONNECT=eager and ranks "
+                                      f"{[r for r in sorted(got) if r not in eager][:8]} lazy: every rank "
+                                      "must connect alike", rank=ctx.rank, op="init")
             reserve_descriptors(ctx, infos, peers, set(local), self.net)
             # The store's gathers are collective: every rank joins them once some host
             # shares memory, even a rank alone on its host.
@@ -224,7 +229,7 @@ class NativeTransport(Transport):
         for peer, sockets in socks.items():
             monitor = sockets[MONITOR].detach()
             if self.net is not None:
-                engine.add_net_peer(peer, monitor, addresses[peer], infos[peer]["host"] == ctx.host_id)
+                engine.add_net_peer(peer, monitor, addresses[peer], hosts[peer] == ctx.host_id)
                 continue
             coll = [sockets[k].detach() for k in sorted(sockets) if k >= FIRST_COLL]
             p2p = sockets[P2P].detach() if P2P in sockets else -1
@@ -242,11 +247,12 @@ class NativeTransport(Transport):
         # exists that a rank killed at any point could leave behind.
         # local empty: this rank has no local peer and only takes part in the gathers.
         fd = engine.shm_create() if local else -1
-        where = [json.loads(v) for v in store.all_gather("native/shm", json.dumps([os.getpid(), fd]).encode())]
+        # Each rank learns its own host's segments and votes only (gather_some).
+        where = store.gather_some("native/shm", json.dumps([os.getpid(), fd]).encode(), local)
         for r in local:
-            engine.shm_attach(r, *where[r])
+            engine.shm_attach(r, *json.loads(where[r]))
         cma = bool(local) and engine.cma_probe()
-        votes = store.all_gather("native/cma", b"1" if cma else b"0")
+        votes = store.gather_some("native/cma", b"1" if cma else b"0", local)
         if local:
             engine.set_cma(all(votes[r] == b"1" for r in local))
 

@@ -183,6 +183,10 @@ void check_counts(const Comm& c, const Coll& op, uint64_t round, int p);
 // plan.cc: the peers the algorithms can exchange data with from this topology (every rank
 // computes the same symmetric relation); others are reached on first use.
 std::vector<int> planned_peers(const Comm& c);
+// Every rank's planned peers at once (host_of: a host label per rank; algo: COMM_ALGO), as
+// planned_peers would give each: what a simulation of the bootstrap at thousands of ranks needs
+// without an engine per simulated rank.
+std::vector<std::vector<int>> planned_peers_all(const std::vector<int>& host_of, const std::string& algo);
 
 struct Algorithm {
   const char* name;

@@ -589,6 +589,9 @@ NB_MODULE(_native, m) {
   signal_check = python_signal_raised;
   m.def("kernel_isa", &kernel_isa, "Instruction set the reduction kernels use on this CPU.");
   m.def("algorithm_names", &algorithm_names, "Every algorithm name COMM_ALGO may give the engine.");
+  m.def("planned_peers_all", &planned_peers_all, nb::arg("host_of"), nb::arg("algo") = "", release(),
+        "Every rank's planned peers (Engine.planned_peers of each) for a job whose rank r is on\n"
+        "host host_of[r]: the bootstrap simulation's plan without an engine per rank.");
   // The engine's reduction kernels for transports that reduce outside it (MPI's user-defined
   // operations for float16 / bfloat16, its AVG and PREMUL_SUM steps): one set of kernels, with
   // the engine's rounding, for every transport.

@@ -15,6 +15,9 @@
 // rank per host) or COMM_ALGO forces a choice. Not planned, reached on first use (Comm::reach):
 // the leaders of a root other than 0 (twolevel broadcast / reduce), and the algorithms that
 // talk to every rank (pairwise all_to_all, linear gather / scatter).
+#include <algorithm>
+#include <string>
+
 #include "algorithms.h"
 
 namespace comm {
@@ -38,54 +41,84 @@ void group_partners(const std::vector<int>& g, int me, std::vector<char>& out) {
     }
 }
 
+// Who rank r's algorithms reach (directed; the caller makes it symmetric), for one topology.
+class Planner {
+ public:
+  Planner(const Topology& t, int n, bool two_level, bool flat)
+      : t_(t), n_(n), hosts_(static_cast<int>(t.hosts.size())), two_level_(two_level), flat_(flat),
+        host_of_(n), pos_(n), world_(n) {
+    for (int h = 0; h < hosts_; h++)
+      for (size_t q = 0; q < t.hosts[h].size(); q++) host_of_[t.hosts[h][q]] = h, pos_[t.hosts[h][q]] = static_cast<int>(q);
+    if (two_level && t.every_host_shared())
+      for (int h = 0; h < hosts_; h++) owner_.push_back(shard_owners(t, h, n));
+    for (int r = 0; r < n; r++) world_[r] = r;
+    for (int h = 0; h < hosts_; h++) leaders_.push_back(t.hosts[h][0]);  // rank 0 leads host 0
+  }
+
+  void plan_of(int r, std::vector<char>& out) {
+    const int h = host_of_[r], q = pos_[r], per_host = static_cast<int>(t_.hosts[h].size());
+    for (int x : t_.hosts[h]) out[x] = 1;
+    if (flat_) group_partners(world_, r, out);
+    else out[mod(r + 1, n_)] = out[mod(r - 1, n_)] = 1;  // the ring of the v-collectives
+    if (!two_level_) return;
+    if (t_.uniform()) {
+      cross_.clear();
+      for (int k = 0; k < hosts_; k++) cross_.push_back(t_.hosts[k][q]);
+      group_partners(cross_, h, out);
+    }
+    if (q == 0) group_partners(leaders_, h, out);
+    for (int k = 0; k < hosts_; k++) {
+      if (k == h) continue;
+      const int there = static_cast<int>(t_.hosts[k].size());
+      for (int p = q; p < there; p += per_host) out[t_.hosts[k][p]] = 1;  // forwards to
+      out[t_.hosts[k][q % there]] = 1;                                   // its forwarder here
+      if (!owner_.empty()) out[t_.hosts[k][owner_[k][r]]] = 1;
+    }
+  }
+
+ private:
+  const Topology& t_;
+  const int n_, hosts_;
+  const bool two_level_, flat_;
+  std::vector<int> host_of_, pos_, world_, cross_, leaders_;
+  std::vector<std::vector<int>> owner_;  // owner_[h][r]: the local position on h owning r's block
+};
+
 }  // namespace
 
 std::vector<int> planned_peers(const Comm& c) {
-  const Topology& t = c.topo;
-  const int n = c.size, hosts = static_cast<int>(t.hosts.size());
-  std::vector<int> host_of(n), pos(n);
-  for (int h = 0; h < hosts; h++)
-    for (size_t q = 0; q < t.hosts[h].size(); q++) host_of[t.hosts[h][q]] = h, pos[t.hosts[h][q]] = static_cast<int>(q);
-  const bool two_level = c.hierarchical();
-  const bool flat = !two_level || !c.opt.algo.empty();
-  std::vector<std::vector<int>> owner;  // owner[h][r]: the local position on h owning r's block
-  if (two_level && t.every_host_shared())
-    for (int h = 0; h < hosts; h++) owner.push_back(shard_owners(t, h, n));
-  std::vector<int> world(n), cross, leaders;
-  for (int r = 0; r < n; r++) world[r] = r;
-  for (int h = 0; h < hosts; h++) leaders.push_back(t.hosts[h][0]);  // rank 0 leads host 0
-
-  auto plan_of = [&](int r, std::vector<char>& out) {
-    const int h = host_of[r], q = pos[r], per_host = static_cast<int>(t.hosts[h].size());
-    for (int x : t.hosts[h]) out[x] = 1;
-    if (flat) group_partners(world, r, out);
-    else out[mod(r + 1, n)] = out[mod(r - 1, n)] = 1;  // the ring of the v-collectives
-    if (!two_level) return;
-    if (t.uniform()) {
-      cross.clear();
-      for (int k = 0; k < hosts; k++) cross.push_back(t.hosts[k][q]);
-      group_partners(cross, h, out);
-    }
-    if (q == 0) group_partners(leaders, h, out);
-    for (int k = 0; k < hosts; k++) {
-      if (k == h) continue;
-      const int there = static_cast<int>(t.hosts[k].size());
-      for (int p = q; p < there; p += per_host) out[t.hosts[k][p]] = 1;  // forwards to
-      out[t.hosts[k][q % there]] = 1;                                   // its forwarder here
-      if (!owner.empty()) out[t.hosts[k][owner[k][r]]] = 1;
-    }
-  };
-  std::vector<char> mine(n, 0), theirs(n, 0);
-  plan_of(c.rank, mine);
-  for (int r = 0; r < n; r++) {  // the relation made symmetric
+  Planner planner(c.topo, c.size, c.hierarchical(), !c.hierarchical() || !c.opt.algo.empty());
+  std::vector<char> mine(c.size, 0), theirs(c.size, 0);
+  planner.plan_of(c.rank, mine);
+  for (int r = 0; r < c.size; r++) {  // the relation made symmetric
     if (r == c.rank || mine[r]) continue;
     std::fill(theirs.begin(), theirs.end(), 0);
-    plan_of(r, theirs);
+    planner.plan_of(r, theirs);
     mine[r] = theirs[c.rank];
   }
   std::vector<int> peers;
-  for (int r = 0; r < n; r++)
+  for (int r = 0; r < c.size; r++)
     if (r != c.rank && mine[r]) peers.push_back(r);
+  return peers;
+}
+
+std::vector<std::vector<int>> planned_peers_all(const std::vector<int>& host_of, const std::string& algo) {
+  const int n = static_cast<int>(host_of.size());
+  const Topology t(host_of, 0);
+  const bool two_level = t.spans_hosts() && t.some_host_shared();  // Comm::hierarchical()
+  Planner planner(t, n, two_level, !two_level || !algo.empty());
+  std::vector<std::vector<int>> peers(n);
+  std::vector<char> out(n);
+  for (int r = 0; r < n; r++) {
+    std::fill(out.begin(), out.end(), 0);
+    planner.plan_of(r, out);
+    for (int p = 0; p < n; p++)
+      if (out[p] && p != r) peers[r].push_back(p), peers[p].push_back(r);
+  }
+  for (auto& p : peers) {  // each pair was added from both ends where both plan it
+    std::sort(p.begin(), p.end());
+    p.erase(std::unique(p.begin(), p.end()), p.end());
+  }
   return peers;
 }
 
