@@ -12,10 +12,11 @@ the time from the moment every rank has joined to the moment the last rank has e
 the store requests per rank, and a check that every rank received exactly the values it
 asked for, as every other rank gave them (a wrong or missing answer fails the run).
 
---anchors also times one gather in the pattern comm used before (each rank sets its key, then
-gets every other rank's: N round trips per rank) on the same store, and in that same pattern
-and with set + wait + multi_get on torch's TCPStore (libuv), at the smaller of the rank counts
-given (the N-round-trip pattern is quadratic: minutes at 1024 ranks).
+--anchors also times, at each rank count, init's gathers with every rank's value sent to every
+rank (as comm made them before gather_some); and at the smallest, one gather in the pattern comm
+used before that (each rank sets its key, then gets every other rank's: N round trips per rank)
+on the same store, and in that same pattern and with set + wait + multi_get on torch's TCPStore
+(libuv) (the N-round-trip pattern is quadratic: minutes at 1024 ranks).
 """
 from __future__ import annotations
 
@@ -50,9 +51,9 @@ class _Counting(Store):
 
 
 def _pattern_gather(store: Store, key: str, value: bytes, pattern: str) -> list[bytes]:
-    if pattern == "rounds":   # comm before: a set, then a get per rank
+    if pattern == "rounds":   # comm before its one-round-trip gathers: a set, then a get per rank
         return KeyValueStore.all_gather(store, key, value)
-    return store.all_gather(key, value)
+    return store.all_gather(key, value)   # "gather", and "every" (init's gathers before gather_some)
 
 
 def _host(rank: int, per_host: int) -> bytes:
@@ -74,7 +75,7 @@ def _bootstrap(store: Store, rank: int, size: int, per_host: int, pattern: str, 
     local = range(rank - rank % per_host, min(size, rank - rank % per_host + per_host))
 
     def exchange(key: str, want) -> bool:
-        if pattern == "rounds":
+        if pattern != "gather":   # every rank's value to every rank
             return _pattern_gather(store, key, expected[key][rank], pattern) == expected[key]
         return store.gather_some(key, expected[key][rank], want) == {r: expected[key][r] for r in want}
 
@@ -180,7 +181,8 @@ def simulate(size: int, per_host: int, procs: int, pattern: str = "gather", full
     wrong = [r for r, (ok, *_) in results.items() if not ok]
     ends = [t for (_, _, t, _) in results.values() if t]
     requests = [n for (_, n, _, _) in results.values()]
-    what = ("comm store, " + ("one request per gather" if pattern == "gather" else "set + a get per rank")
+    what = ("comm store, " + {"gather": "one request per gather", "every": "every value to every rank",
+                              "rounds": "set + a get per rank"}[pattern]
             + (": init's gathers" if full else ": one gather"))
     return {"ranks": size, "per_host": per_host, "pattern": what, "join_s": joined,
             "bootstrap_s": max(ends) - began if ends else float("nan"),
@@ -260,17 +262,18 @@ def main(argv: list[str] | None = None) -> int:
                    help="worker processes the simulated ranks run in (a few dozen threads each: with "
                         "hundreds to a process, their GIL, not the store, is what the run measures)")
     p.add_argument("--anchors", action="store_true",
-                   help="also the old N-round-trip gather and torch's TCPStore, at the smallest rank count")
+                   help="also init's gathers with every value sent to every rank (each size), and the old "
+                        "N-round-trip gather and torch's TCPStore (the smallest rank count)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     sizes = [int(s) for s in args.ranks.split(",")]
     rows = []
-    print(f"{'ranks':>6} {'hosts':>6} {'pattern':<48} {'join s':>7} {'bootstrap s':>11} {'requests/rank':>13} {'right':>6}")
+    print(f"{'ranks':>6} {'hosts':>6} {'pattern':<56} {'join s':>7} {'bootstrap s':>11} {'requests/rank':>13} {'right':>6}")
 
     def show(r):
         rows.append(r)
         hosts = (r["ranks"] + args.per_host - 1) // args.per_host
-        print(f"{r['ranks']:>6} {hosts:>6} {r['pattern']:<48} {r.get('join_s', float('nan')):>7.2f} "
+        print(f"{r['ranks']:>6} {hosts:>6} {r['pattern']:<56} {r.get('join_s', float('nan')):>7.2f} "
               f"{r.get('bootstrap_s', r.get('gather_s')):>11.2f} {r.get('requests_per_rank', '-'):>13} "
               f"{r['ranks_right']:>6}", flush=True)
         for e in r.get("errors", []):
@@ -279,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         show(simulate(size, args.per_host, args.procs, full=False))
         show(simulate(size, args.per_host, args.procs))
+        if args.anchors:   # init's gathers as comm made them before each rank asked for what it needs
+            show(simulate(size, args.per_host, args.procs, pattern="every"))
     if args.anchors:
         small = min(sizes)
         show(simulate(small, args.per_host, args.procs, pattern="rounds", full=False))
