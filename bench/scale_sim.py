@@ -30,7 +30,8 @@ import time
 
 from comm import rendezvous
 from comm._native import _native
-from comm.store import KeyValueStore, Store, StoreServer
+from comm.store import KeyValueStore, Store
+from comm.store_host import StoreServer
 
 
 def _info(rank: int, hosts: int, per_host: int) -> bytes:

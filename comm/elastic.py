@@ -31,7 +31,8 @@ import zlib
 
 from . import auth, log, rendezvous
 from .errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
-from .store import Store, StoreLost, StoreServer
+from .store import Store, StoreLost
+from .store_host import StoreServer
 
 LEDGER = 64   # decisions a process replays onto a new host: more than any shrink in flight needs
 

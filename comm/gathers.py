@@ -19,8 +19,9 @@ import threading
 import time
 from typing import Callable
 
+from .store_wire import REPLY
+
 LEN = struct.Struct("!I")    # the reply: the count, the members' lengths, then their values
-_REPLY = struct.Struct("!BI")  # status, reply length (comm.store's reply header)
 
 
 class _Gather:
@@ -131,7 +132,7 @@ class Gathers:
         self._busy(2)   # the host's busy count counts what is queued: two pieces a reply
         # the header and the reply apart: every member's queue shares the one reply object
         self._outbox.setdefault(sock, collections.deque()).extend(
-            (memoryview(_REPLY.pack(status, len(reply))), memoryview(reply)))
+            (memoryview(REPLY.pack(status, len(reply))), memoryview(reply)))
 
     def _poke(self) -> None:
         try:

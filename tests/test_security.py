@@ -142,5 +142,5 @@ def test_unauthenticated_warning(capfd, monkeypatch):
 def test_fuzzed_join_refused(body):
     """Whatever a client claims in its join, the store answers or drops it; once every rank
     has joined, a misfit is refused alone and the job's store keeps serving."""
-    from comm import store as store_mod
-    _frame_after_handshake(struct.pack("!BIdI", store_mod._JOIN, 0, 1.0, len(body)) + body)
+    from comm import store_wire as wire
+    _frame_after_handshake(struct.pack("!BIdI", wire.JOIN, 0, 1.0, len(body)) + body)

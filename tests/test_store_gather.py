@@ -11,7 +11,7 @@ import time
 import pytest
 
 from comm import auth
-from comm import store as store_mod
+from comm import store_host, store_wire as wire
 from comm.errors import CommError, CommTimeout, InvalidArgument, Mismatch, PeerFailure
 from comm.store import Store
 
@@ -21,7 +21,7 @@ def _host(size: int, timeout: float = 20.0):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(256)
-    server = store_mod.StoreServer(listener, None, timeout, size=size, agree={}, where="test")
+    server = store_host.StoreServer(listener, None, timeout, size=size, agree={}, where="test")
     return server, listener.getsockname()[1]
 
 
@@ -189,12 +189,12 @@ def test_a_member_that_does_not_read_holds_up_nobody(host):
     raw = socket.create_connection(("127.0.0.1", port))
     auth.client_handshake(raw, None, 5)
     body = json.dumps({"rank": size - 1, "size": size, "agree": {}}).encode()
-    raw.sendall(store_mod._HDR.pack(store_mod._JOIN, 0, 5.0, len(body)) + body)
+    raw.sendall(wire.HDR.pack(wire.JOIN, 0, 5.0, len(body)) + body)
     assert struct.unpack("!BI", auth.recv_exact(raw, 5))[0] == 0
     raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     big = b"z" * (1000 << 10)   # an 8 MB reply: more than the kernel buffers for one connection
-    value = store_mod._GATHER_HDR.pack(size - 1, size, 0, store_mod._EVERY) + big
-    raw.sendall(store_mod._HDR.pack(store_mod._GATHER, 1, 20.0, len(value)) + b"k" + value)
+    value = wire.GATHER_HDR.pack(size - 1, size, 0, wire.EVERY) + big
+    raw.sendall(wire.HDR.pack(wire.GATHER, 1, 20.0, len(value)) + b"k" + value)
     results = _each(stores, lambda r, s: s.all_gather("k", big))
     assert all(res == [big] * size for res in results), [type(r) for r in results]
     raw.close()
@@ -208,10 +208,10 @@ def test_malformed_gather_drops_only_that_connection(host):
     raw = socket.create_connection(("127.0.0.1", port))
     auth.client_handshake(raw, None, 5)
     body = json.dumps({"rank": 1, "size": 2, "agree": {}}).encode()
-    raw.sendall(store_mod._HDR.pack(store_mod._JOIN, 0, 5.0, len(body)) + body)
+    raw.sendall(wire.HDR.pack(wire.JOIN, 0, 5.0, len(body)) + body)
     auth.recv_exact(raw, 5)
     bad = struct.pack("!III", 5, 2, 0)   # member 5 of a group of 2
-    raw.sendall(store_mod._HDR.pack(store_mod._GATHER, 1, 5.0, len(bad)) + b"k" + bad)
+    raw.sendall(wire.HDR.pack(wire.GATHER, 1, 5.0, len(bad)) + b"k" + bad)
     assert raw.recv(16) == b""   # dropped
     stores[0].set("still", b"here")
     assert stores[0].get("still") == b"here"

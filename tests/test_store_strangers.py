@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm import auth, rendezvous, store as store_mod
+from comm import auth, rendezvous, store_host, store_wire as wire
 from comm.store import Store
 from harness import ROOT, free_port
 from transports import base
@@ -51,23 +51,23 @@ def _stranger_join(port: int, rank: int = 1, size: int = 2) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     auth.client_handshake(s, None, 5)
     body = json.dumps({"rank": rank, "size": size, "agree": {}}).encode()
-    s.sendall(store_mod._HDR.pack(store_mod._JOIN, 0, 5.0, len(body)) + body)
-    status, n = store_mod._REPLY.unpack(auth.recv_exact(s, store_mod._REPLY.size))
+    s.sendall(wire.HDR.pack(wire.JOIN, 0, 5.0, len(body)) + body)
+    status, n = wire.REPLY.unpack(auth.recv_exact(s, wire.REPLY.size))
     auth.recv_exact(s, n)
-    assert status == store_mod._OK
+    assert status == wire.OK
     return s
 
 
 def _stranger_set(s: socket.socket, key: bytes, value_len: int) -> int | None:
     """Send one SET; the reply status, or None when the server dropped us."""
     try:
-        s.sendall(store_mod._HDR.pack(store_mod._SET, len(key), 5.0, value_len) + key)
+        s.sendall(wire.HDR.pack(wire.SET, len(key), 5.0, value_len) + key)
         chunk = b"\0" * (1 << 20)
         left = value_len
         while left:
             s.sendall(chunk[:min(left, len(chunk))])
             left -= min(left, len(chunk))
-        status, n = store_mod._REPLY.unpack(auth.recv_exact(s, store_mod._REPLY.size))
+        status, n = wire.REPLY.unpack(auth.recv_exact(s, wire.REPLY.size))
         auth.recv_exact(s, n)
         return status
     except (OSError, ConnectionError):
@@ -111,20 +111,20 @@ def test_values_and_total_are_bounded():
     host = Store.host_or_connect("127.0.0.1", port, rank=0, size=4, timeout=10, secret=None)
     try:
         s = _stranger_join(port, rank=1, size=4)
-        assert _stranger_set(s, b"big", store_mod.MAX_VALUE + 1) is None    # dropped at the header
+        assert _stranger_set(s, b"big", wire.MAX_VALUE + 1) is None    # dropped at the header
         s.close()
         before = _rss_mib()
         s = _stranger_join(port, rank=2, size=4)
-        statuses = [_stranger_set(s, b"k%d" % i, store_mod.MAX_VALUE) for i in range(100)]
+        statuses = [_stranger_set(s, b"k%d" % i, wire.MAX_VALUE) for i in range(100)]
         s.close()
-        stored = statuses.count(store_mod._OK)
-        assert store_mod._REFUSED in statuses, statuses
-        assert stored * store_mod.MAX_VALUE <= store_mod.MAX_TOTAL
-        assert _rss_mib() - before < (store_mod.MAX_TOTAL >> 20) + 48, "rank 0's memory grew past the bound"
+        stored = statuses.count(wire.OK)
+        assert wire.REFUSED in statuses, statuses
+        assert stored * wire.MAX_VALUE <= store_host.MAX_TOTAL
+        assert _rss_mib() - before < (store_host.MAX_TOTAL >> 20) + 48, "rank 0's memory grew past the bound"
         # a rank that arrives afterwards is told why its SET fails: a CommError, not a crash
         late = Store("127.0.0.1", port, rank=3, size=4, timeout=10, secret=None)
         with pytest.raises(comm.CommError, match="store is full"):
-            late.set("x", b"\0" * store_mod.MAX_VALUE)
+            late.set("x", b"\0" * wire.MAX_VALUE)
         late.set("small", b"1")        # what still fits is stored
         assert host.get("small") == b"1"
         late.close()
@@ -146,7 +146,7 @@ def test_job_works_after_oversized_values():
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
         # the server drops us at the header, before we could close: rank 1's place is free again
-        assert _stranger_set(s, b"world/native/info/1", store_mod.MAX_VALUE + 1) is None
+        assert _stranger_set(s, b"world/native/info/1", wire.MAX_VALUE + 1) is None
         s.close()
     rank1 = _start(1, port, results)
     rank0.join(60)
@@ -158,8 +158,8 @@ def test_job_works_after_oversized_values():
 def test_idle_and_excess_connections_do_not_stall_the_job(monkeypatch):
     """Strangers that connect and say nothing, or pass the handshake and never join, are
     dropped after JOIN_DEADLINE; connections past the cap are closed at once; the ranks get in."""
-    monkeypatch.setattr(store_mod, "JOIN_DEADLINE", 1.0)
-    monkeypatch.setattr(store_mod, "MAX_STRANGERS", 4)
+    monkeypatch.setattr(store_host, "JOIN_DEADLINE", 1.0)
+    monkeypatch.setattr(store_host, "MAX_STRANGERS", 4)
     port, results = free_port(), {}
     rank0 = _start(0, port, results)
     time.sleep(0.5)   # rank 0 serves and has joined
@@ -197,7 +197,7 @@ def test_connection_cap_answers_no_greeting():
     port = free_port()
     host = Store.host_or_connect("127.0.0.1", port, rank=0, size=2, timeout=10, secret=None)
     hold = [socket.create_connection(("127.0.0.1", port), timeout=5)
-            for _ in range(store_mod.MAX_STRANGERS + 1)]   # +1: rank 1's slot too
+            for _ in range(store_host.MAX_STRANGERS + 1)]   # +1: rank 1's slot too
     try:
         for s in hold:
             s.settimeout(5)
