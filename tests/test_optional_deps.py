@@ -28,6 +28,7 @@ OPTIONAL = {
     "matplotlib": (["matplotlib"], None, None),
     "torch": (["torch"], None, None),
     "torchft": (["torchft"], None, None),
+    "transformers": (["transformers"], None, None),
 }
 # Modules that exist only to serve dependencies: without one, importing them may fail, naming it.
 SERVES = {name: {"torch"} for name in ("comm.torch", "comm.torch.backend", "comm.torch.args", "comm.torch.work",
