@@ -1,0 +1,406 @@
+"""Compressed collectives: fewer bits on the wire between hosts, sums kept in fp32.
+
+    world.all_reduce(grad, compress="bf16")     # or "fp8"; likewise reduce_scatter,
+                                                # all_gather, their v forms and *_init
+
+A layer above the transports, built from the communicator's own collectives, so it runs on
+every transport. Formats: "bf16" (float32 / float64 data sent as bfloat16, rounded to
+nearest even) and "fp8" (e4m3 codes with one float32 scale per block of COMM_COMPRESS_BLOCK
+elements; see native/src/compress.h). Every partial sum is kept in float32 by the receiver.
+
+The algorithm (torchft's quantize - exchange - reduce - requantize, over the topology):
+
+    all_reduce      exact reduce_scatter inside each host (shared memory, float32)
+                    -> among the ranks of the same local position on every host: quantize
+                       each host's chunk, all_to_all, dequantize-and-add in float32,
+                       quantize the sum, all_gather, dequantize
+                    -> exact all_gather inside each host
+    reduce_scatter  exact reduce_scatter inside each host, then the compressed flat
+                    reduce_scatter (quantize, all_to_all, dequantize-and-add) across hosts
+    all_gather      compressed all_gather across hosts (quantize once, dequantize on
+                    arrival), then the exact all_gather inside each host
+
+so every element is quantized at most twice whatever the number of ranks and hosts. The
+sub-communicators (ranks of one host; ranks of one local position) are made by split on the
+first compressed call that runs this way and kept: every rank makes the same calls, as for
+any collective. Hosts with unequal rank counts, or one host with COMM_COMPRESS=force, run
+the flat form over all ranks.
+
+When it is chosen (else the exact path runs, unchanged): the communicator spans hosts and
+the message holds at least COMM_COMPRESS_MIN_BYTES; COMM_COMPRESS=force chooses it always
+(tests), off never. Where the wire is as wide as the data (bfloat16 or float16 data with
+"bf16") the exact path runs. COMM_DEBUG=1 logs the path each (op, format) first takes.
+
+The calls run on the caller's thread; with async_op=True the returned Work is complete.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import config, log
+from .errors import CommError, TransportUnavailable
+from .ops import OpDesc, OpKind
+from .types import DType, ReduceOp
+from .work import Work
+
+try:   # the kernels are the engine's; without it the other transports still run, uncompressed
+    from . import _native
+except ImportError:
+    _native = None
+
+FORMATS = ("bf16", "fp8")
+_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
+_DATA = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
+_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_GATHER_V,
+          OpKind.REDUCE_SCATTER_V)
+
+
+# ---- wire formats -----------------------------------------------------------------------------
+class _Bf16:
+    name = "bf16"
+
+    def __init__(self, block: int):
+        self.unit = 64   # chunk lengths are multiples of this (alignment only)
+
+    def wire(self, n: int) -> int:
+        return 2 * n
+
+    def encode(self, src: np.ndarray, dst: np.ndarray) -> None:
+        _native.compress_to_bf16(src.ctypes.data, dst.ctypes.data, src.size)
+
+    def add(self, acc: np.ndarray, src: np.ndarray, accumulate: bool) -> None:
+        _native.compress_bf16_add(acc.ctypes.data, src.ctypes.data, acc.size, accumulate)
+
+
+class _Fp8:
+    """A packet of n elements: n code bytes, then one float32 scale per block."""
+    name = "fp8"
+
+    def __init__(self, block: int):
+        self.block = block
+        self.unit = math.lcm(block, 64)   # whole blocks per chunk, and scales 4-byte aligned
+
+    def wire(self, n: int) -> int:
+        return n + 4 * (n // self.block)
+
+    def encode(self, src: np.ndarray, dst: np.ndarray) -> None:
+        n = src.size
+        _native.compress_to_fp8(src.ctypes.data, dst.ctypes.data, dst.ctypes.data + n, n, self.block)
+
+    def add(self, acc: np.ndarray, src: np.ndarray, accumulate: bool) -> None:
+        n = acc.size
+        _native.compress_fp8_add(acc.ctypes.data, src.ctypes.data, src.ctypes.data + n, n, self.block,
+                                 accumulate)
+
+
+_FORMAT_CLASSES = {"bf16": _Bf16, "fp8": _Fp8}
+
+
+# ---- the decision -----------------------------------------------------------------------------
+def check(c, label: str, fmt, desc: OpDesc) -> None:
+    """Refuse, with InvalidArgument, what no compressed form exists for."""
+    if _native is None:
+        raise TransportUnavailable(f"compress={fmt!r} needs the native engine's kernels, which were not built",
+                                   rank=c.rank, op=label)
+    if fmt not in FORMATS:
+        raise c._error(label, f"unknown compress format {fmt!r}: use None (exact), {', '.join(map(repr, FORMATS))}")
+    if desc.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V) and desc.op not in _OPS:
+        raise c._error(label, f"compress={fmt!r} sums in float32: {desc.op.name} is not allowed "
+                              "(use SUM, AVG or PREMUL_SUM, or compress=None)")
+    if desc.dtype not in _DATA:
+        raise c._error(label, f"compress={fmt!r} needs floating-point data, got {desc.dtype.name.lower()}")
+    for buf in (desc.send, desc.recv):
+        if buf is not None and buf.device != "cpu":
+            raise c._error(label, f"compress={fmt!r} runs on CPU buffers; this one is on {buf.device}")
+
+
+def _chosen(c, label: str, fmt: str, desc: OpDesc) -> str | None:
+    """Why the exact path runs instead (None: compress)."""
+    if desc.dtype.itemsize <= 2 and fmt == "bf16":
+        return f"{desc.dtype.name.lower()} data is no wider than the bf16 wire"
+    mode = config.get("COMM_COMPRESS")
+    if mode == "off":
+        return "COMM_COMPRESS=off"
+    if mode == "force" or c.size == 1:
+        return None if c.size > 1 else "a group of one rank"
+    if c.topology.num_hosts == 1:
+        return "one host: shared memory is not the bound"
+    nbytes = max(b.nbytes for b in (desc.send, desc.recv) if b is not None)
+    least = config.get("COMM_COMPRESS_MIN_BYTES")
+    if nbytes < least:
+        return f"{nbytes} bytes < COMM_COMPRESS_MIN_BYTES={least}"
+    return None
+
+
+def run(c, desc: OpDesc, fmt, async_op: bool):
+    """The compressed form of the validated `desc` on communicator `c`, or its exact path."""
+    label = desc.kind.label
+    check(c, label, fmt, desc)
+    why_not = _chosen(c, label, fmt, desc)
+    if why_not is not None:
+        log.algorithm(c.rank, c._ctx.group_name, label, f"exact (compress={fmt} not chosen: {why_not})")
+        return c._post(desc, async_op)
+    if c._failure is not None or c._closed:
+        c._refuse(label)
+    if not c._busy.acquire(False):
+        raise c._overlap(label)
+    try:
+        plan = _plan(c)
+        log.algorithm(c.rank, c._ctx.group_name, label, f"compressed {fmt} ({plan.describe()})")
+        plan.run(desc, _FORMAT_CLASSES[fmt](config.get("COMM_COMPRESS_BLOCK")))
+    except CommError as e:
+        raise c._failed_op(label, e) from None
+    finally:
+        c._busy.release()
+    return Work(c, _Ran(), label, None) if async_op else None
+
+
+class _Ran:
+    """The request of a compressed call: it ran on the caller's thread before Work was made."""
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def test(self) -> bool:
+        return True
+
+
+class Persistent:
+    """all_reduce_init(..., compress=fmt) and the like: the arguments checked once, each start
+    runs the compressed call (on the caller's thread: start() runs it, wait() returns)."""
+
+    def __init__(self, c, desc: OpDesc, fmt):
+        check(c, desc.kind.label + "_init", fmt, desc)
+        self._comm, self._desc, self._fmt, self._work = c, desc, fmt, None
+
+    def __call__(self) -> None:
+        self.start()
+        self.wait()
+
+    def start(self) -> None:
+        if self._desc is None:
+            raise self._comm._error(self._desc_label(), "the persistent operation is closed")
+        if self._work is not None:
+            raise self._comm._error(self._desc_label(), "already started: wait() before starting it again")
+        self._work = run(self._comm, self._desc, self._fmt, True)
+
+    def wait(self, timeout: float | None = None) -> None:
+        if self._work is None:
+            raise self._comm._error(self._desc_label(), "wait() without a start()")
+        work, self._work = self._work, None
+        work.wait(timeout)
+
+    def close(self) -> None:
+        self._work = None
+        self._desc = None
+
+    def _desc_label(self) -> str:
+        return "compressed persistent operation" if self._desc is None else self._desc.kind.label
+
+    def __enter__(self) -> "Persistent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---- the plan: sub-communicators and the three phases -------------------------------------------
+def _plan(c) -> "_Plan":
+    plan = getattr(c, "_compress_plan", None)
+    if plan is None:
+        plan = _Plan(c)
+        c._compress_plan = plan
+    return plan
+
+
+def close(c) -> None:
+    """Release the sub-communicators of `c`'s compressed calls (Communicator.close calls it)."""
+    plan = getattr(c, "_compress_plan", None)
+    if plan is not None:
+        plan.close()
+
+
+class _Plan:
+    """The sub-communicators of one communicator's compressed calls, and their workspaces."""
+
+    def __init__(self, c):
+        t = c.topology
+        sizes = {len(ranks) for ranks in t.hosts}
+        self.c = c
+        self.two_level = t.num_hosts > 1 and len(sizes) == 1 and t.local_size > 1
+        # split runs on c, whose _busy this thread holds: _split is split without the lock
+        if self.two_level:
+            self.local = c._split(t.host, t.local_rank)
+            self.cross = c._split(t.local_rank, t.host)
+            # rank of (host h, local position l) in c: the order of the two-level layouts
+            self.order = [t.hosts[h][l] for l in range(t.local_size) for h in range(t.num_hosts)]
+        else:
+            self.local = None
+            self.cross = c._split(0, c.rank)
+            self.order = list(range(c.size))
+        self._space: dict[str, np.ndarray] = {}
+
+    def describe(self) -> str:
+        if self.two_level:
+            return (f"two-level: exact inside {self.local.size}-rank hosts, compressed across "
+                    f"{self.cross.size} hosts")
+        return f"flat over {self.cross.size} ranks"
+
+    def close(self) -> None:
+        for sub in (self.local, self.cross):
+            if sub is not None:
+                sub.close()
+        self._space.clear()
+
+    def space(self, name: str, n: int, dtype) -> np.ndarray:
+        """A reused workspace of n elements (grown as needed; calls on one communicator are
+        serial, so one of each kind suffices)."""
+        dtype = np.dtype(dtype)
+        buf = self._space.get(name)
+        if buf is None or buf.nbytes < n * dtype.itemsize:
+            buf = self._space[name] = np.empty(max(n * dtype.itemsize, 64), np.uint8)
+        return buf[:n * dtype.itemsize].view(dtype)
+
+    # ---- entry ------------------------------------------------------------------------------
+    def run(self, desc: OpDesc, f) -> None:
+        kind, n = desc.kind, self.c.size
+        if kind is OpKind.ALL_REDUCE:
+            self.all_reduce(desc, f)
+            return
+        counts = desc.recv_counts if kind in (OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V) else (desc.count,) * n
+        block = _round_up(max(counts) if counts else 0, f.unit)
+        if kind in (OpKind.ALL_GATHER, OpKind.ALL_GATHER_V):
+            self.all_gather(desc, counts, block, f)
+        else:
+            self.reduce_scatter(desc, counts, block, f)
+
+    def all_reduce(self, desc: OpDesc, f) -> None:
+        count = desc.count
+        local = self.local.size if self.two_level else 1
+        hosts = self.cross.size
+        chunk = _round_up(-(-count // (local * hosts)), f.unit)
+        work = self.space("work", chunk * local * hosts, np.float32)
+        _load(work, desc.send, 0, count, desc)
+        shard = work[:chunk * hosts] if local == 1 else self.space("shard", chunk * hosts, np.float32)
+        if local > 1:
+            self.local.reduce_scatter(shard, work)
+        self.cross_all_reduce(shard, chunk, f)
+        if local > 1:
+            self.local.all_gather(work, shard)
+        _store(desc.recv, work[:count], desc, self.c.size)
+
+    def reduce_scatter(self, desc: OpDesc, counts, block: int, f) -> None:
+        """Block d of the input (counts[d] elements) summed over ranks lands on rank d."""
+        n = self.c.size
+        work = self.space("work", block * n, np.float32)
+        starts = np.cumsum((0,) + tuple(counts))
+        for slot, rank in enumerate(self.order):   # the two-level layout: [local pos][host]
+            _load(work[slot * block:(slot + 1) * block], desc.send, starts[rank], counts[rank], desc)
+        hosts = self.cross.size
+        part = work
+        if self.two_level:
+            part = self.space("shard", block * hosts, np.float32)
+            self.local.reduce_scatter(part, work)
+        mine = self.space("mine", block, np.float32)
+        self.cross_reduce_scatter(part, mine, block, f)
+        _store(desc.recv, mine[:counts[self.c.rank]], desc, n)
+
+    def all_gather(self, desc: OpDesc, counts, block: int, f) -> None:
+        n = self.c.size
+        mine = self.space("mine", block, np.float32)
+        _load(mine, desc.send, 0, counts[self.c.rank], desc)
+        hosts = self.cross.size
+        gathered = self.space("shard", block * hosts, np.float32)
+        self.cross_all_gather(mine, gathered, block, f)
+        work = gathered
+        if self.two_level:
+            work = self.space("work", block * n, np.float32)
+            self.local.all_gather(work, gathered)
+        out = desc.recv.numpy()
+        starts = np.cumsum((0,) + tuple(counts))
+        for slot, rank in enumerate(self.order):
+            _store_into(out, starts[rank], work[slot * block:slot * block + counts[rank]], desc.dtype)
+
+    # ---- the compressed phases, among `cross` (one rank per host, or every rank) ------------
+    def cross_all_reduce(self, shard: np.ndarray, chunk: int, f) -> None:
+        """shard (hosts x chunk) summed over cross, in place: each element quantized twice."""
+        hosts, me = self.cross.size, self.cross.rank
+        if hosts == 1:
+            return
+        mine = shard[me * chunk:(me + 1) * chunk]
+        self.cross_reduce_scatter(shard, mine, chunk, f)   # mine: own data + the others' sums
+        w = f.wire(chunk)
+        packet = self.space("packet", w, np.uint8)
+        f.encode(mine, packet)
+        gathered = self.space("gathered", w * hosts, np.uint8)
+        self.cross.all_gather(gathered, packet)
+        for j in range(hosts):   # every rank, this one too, dequantizes the same bytes
+            f.add(shard[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
+
+    def cross_reduce_scatter(self, blocks: np.ndarray, out: np.ndarray, chunk: int, f) -> None:
+        """out = sum over cross of chunk `rank` of blocks; the own chunk is added exactly."""
+        hosts, me = self.cross.size, self.cross.rank
+        own = blocks[me * chunk:(me + 1) * chunk]
+        if out.ctypes.data != own.ctypes.data:
+            out[:] = own
+        if hosts == 1:
+            return
+        w = f.wire(chunk)
+        send = self.space("send", w * hosts, np.uint8)
+        for j in range(hosts):
+            if j != me:
+                f.encode(blocks[j * chunk:(j + 1) * chunk], send[j * w:(j + 1) * w])
+        recv = self.space("recv", w * hosts, np.uint8)
+        self.cross.all_to_all(recv, send)
+        for j in range(hosts):
+            if j != me:
+                f.add(out, recv[j * w:(j + 1) * w], True)
+
+    def cross_all_gather(self, mine: np.ndarray, out: np.ndarray, chunk: int, f) -> None:
+        hosts = self.cross.size
+        w = f.wire(chunk)
+        packet = self.space("packet", w, np.uint8)
+        f.encode(mine, packet)
+        gathered = self.space("gathered", w * hosts, np.uint8)
+        self.cross.all_gather(gathered, packet)
+        for j in range(hosts):
+            f.add(out[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
+
+
+# ---- data in and out ------------------------------------------------------------------------
+def _round_up(n: int, unit: int) -> int:
+    return max(unit, -(-n // unit) * unit)
+
+
+def _as_f32(buf_np: np.ndarray, dtype: DType) -> np.ndarray:
+    if dtype is DType.BFLOAT16:
+        return (buf_np.astype(np.uint32) << 16).view(np.float32)
+    return buf_np.astype(np.float32, copy=False)
+
+
+def _load(dst: np.ndarray, src, start: int, count: int, desc: OpDesc) -> None:
+    """dst[:count] = float32 of src's elements [start, start + count), premultiplied for
+    PREMUL_SUM; the rest of dst (padding) zero."""
+    data = src.numpy()[start:start + count]
+    dst[:count] = _as_f32(data, desc.dtype)
+    dst[count:] = 0
+    if desc.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V) \
+            and desc.op is ReduceOp.PREMUL_SUM and desc.scale != 1.0:
+        dst[:count] *= np.float32(desc.scale)
+
+
+def _store(recv, result: np.ndarray, desc: OpDesc, size: int) -> None:
+    if desc.op is ReduceOp.AVG:
+        result *= np.float32(1.0 / size)
+    _store_into(recv.numpy(), 0, result, desc.dtype)
+
+
+def _store_into(out: np.ndarray, start: int, values: np.ndarray, dtype: DType) -> None:
+    if dtype is DType.BFLOAT16:   # round to nearest even, as the engine's bf16 results
+        packed = np.empty(values.size, np.uint16)
+        _native.compress_to_bf16(np.ascontiguousarray(values).ctypes.data, packed.ctypes.data, values.size)
+        out[start:start + values.size] = packed
+    else:
+        out[start:start + values.size] = values
