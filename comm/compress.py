@@ -116,40 +116,55 @@ def check(c, label: str, fmt, desc: OpDesc) -> None:
             raise c._error(label, f"compress={fmt!r} runs on CPU buffers; this one is on {buf.device}")
 
 
-def _chosen(c, label: str, fmt: str, desc: OpDesc) -> str | None:
+def _why_exact(c, fmt: str, dtype: DType, nbytes: int) -> str | None:
     """Why the exact path runs instead (None: compress)."""
-    if desc.dtype.itemsize <= 2 and fmt == "bf16":
-        return f"{desc.dtype.name.lower()} data is no wider than the bf16 wire"
+    if dtype.itemsize <= 2 and fmt == "bf16":
+        return f"{dtype.name.lower()} data is no wider than the bf16 wire"
+    if c.size == 1:
+        return "a group of one rank"
     mode = config.get("COMM_COMPRESS")
-    if mode == "off":
-        return "COMM_COMPRESS=off"
-    if mode == "force" or c.size == 1:
-        return None if c.size > 1 else "a group of one rank"
+    if mode != "auto":
+        return "COMM_COMPRESS=off" if mode == "off" else None
     if c.topology.num_hosts == 1:
         return "one host: shared memory is not the bound"
-    nbytes = max(b.nbytes for b in (desc.send, desc.recv) if b is not None)
     least = config.get("COMM_COMPRESS_MIN_BYTES")
     if nbytes < least:
         return f"{nbytes} bytes < COMM_COMPRESS_MIN_BYTES={least}"
     return None
 
 
+def path(c, fmt: str, nbytes: int, dtype: DType = DType.FLOAT32) -> str:
+    """The path a call with compress=fmt on `c` takes for a message of nbytes (the bench's column)."""
+    why = _why_exact(c, fmt, dtype, nbytes)
+    return f"exact (compress={fmt} not chosen: {why})" if why else f"compressed {fmt} ({_layout(c)})"
+
+
+def _layout(c) -> str:
+    t = c.topology
+    if _two_level(t):
+        return f"two-level: exact inside {t.local_size}-rank hosts, compressed across {t.num_hosts} hosts"
+    return f"flat over {c.size} ranks"
+
+
+def _two_level(t) -> bool:
+    return t.num_hosts > 1 and len({len(ranks) for ranks in t.hosts}) == 1 and t.local_size > 1
+
+
 def run(c, desc: OpDesc, fmt, async_op: bool):
     """The compressed form of the validated `desc` on communicator `c`, or its exact path."""
     label = desc.kind.label
     check(c, label, fmt, desc)
-    why_not = _chosen(c, label, fmt, desc)
-    if why_not is not None:
-        log.algorithm(c.rank, c._ctx.group_name, label, f"exact (compress={fmt} not chosen: {why_not})")
+    nbytes = max(b.nbytes for b in (desc.send, desc.recv) if b is not None)
+    taken = path(c, fmt, nbytes, desc.dtype)
+    log.algorithm(c.rank, c._ctx.group_name, label, taken)
+    if not taken.startswith("compressed"):
         return c._post(desc, async_op)
     if c._failure is not None or c._closed:
         c._refuse(label)
     if not c._busy.acquire(False):
         raise c._overlap(label)
     try:
-        plan = _plan(c)
-        log.algorithm(c.rank, c._ctx.group_name, label, f"compressed {fmt} ({plan.describe()})")
-        plan.run(desc, _FORMAT_CLASSES[fmt](config.get("COMM_COMPRESS_BLOCK")))
+        _plan(c).run(desc, _FORMAT_CLASSES[fmt](config.get("COMM_COMPRESS_BLOCK")))
     except CommError as e:
         raise c._failed_op(label, e) from None
     finally:
@@ -227,9 +242,8 @@ class _Plan:
 
     def __init__(self, c):
         t = c.topology
-        sizes = {len(ranks) for ranks in t.hosts}
         self.c = c
-        self.two_level = t.num_hosts > 1 and len(sizes) == 1 and t.local_size > 1
+        self.two_level = _two_level(t)
         # split runs on c, whose _busy this thread holds: _split is split without the lock
         if self.two_level:
             self.local = c._split(t.host, t.local_rank)
@@ -241,12 +255,6 @@ class _Plan:
             self.cross = c._split(0, c.rank)
             self.order = list(range(c.size))
         self._space: dict[str, np.ndarray] = {}
-
-    def describe(self) -> str:
-        if self.two_level:
-            return (f"two-level: exact inside {self.local.size}-rank hosts, compressed across "
-                    f"{self.cross.size} hosts")
-        return f"flat over {self.cross.size} ranks"
 
     def close(self) -> None:
         for sub in (self.local, self.cross):
@@ -281,8 +289,16 @@ class _Plan:
         local = self.local.size if self.two_level else 1
         hosts = self.cross.size
         chunk = _round_up(-(-count // (local * hosts)), f.unit)
-        work = self.space("work", chunk * local * hosts, np.float32)
-        _load(work, desc.send, 0, count, desc)
+        if desc.dtype is DType.FLOAT32 and count == chunk * local * hosts:
+            # float32 without padding: the output is the workspace (no copy in, none out)
+            work = desc.recv.numpy()
+            if desc.send.ptr != desc.recv.ptr:
+                work[:] = desc.send.numpy()
+            if desc.op is ReduceOp.PREMUL_SUM and desc.scale != 1.0:
+                work *= np.float32(desc.scale)
+        else:
+            work = self.space("work", chunk * local * hosts, np.float32)
+            _load(work, desc.send, 0, count, desc)
         shard = work[:chunk * hosts] if local == 1 else self.space("shard", chunk * hosts, np.float32)
         if local > 1:
             self.local.reduce_scatter(shard, work)
@@ -402,5 +418,5 @@ def _store_into(out: np.ndarray, start: int, values: np.ndarray, dtype: DType) -
         packed = np.empty(values.size, np.uint16)
         _native.compress_to_bf16(np.ascontiguousarray(values).ctypes.data, packed.ctypes.data, values.size)
         out[start:start + values.size] = packed
-    else:
+    elif values.size and out[start:].ctypes.data != values.ctypes.data:   # else: computed in place
         out[start:start + values.size] = values
