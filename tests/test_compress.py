@@ -250,7 +250,7 @@ def test_refusals_and_one_host_runs_the_exact_path():
 # ---- across simulated hosts (slow) -----------------------------------------------------------
 def two_level_suite(world, fmt):
     from comm import compress
-    res = compressed_suite(world, fmt, 1 << 16)
+    res = compressed_suite(world, fmt, (1 << 16) // world.size * world.size)
     res["path"] = compress.path(world, fmt, 1 << 22)
     return res
 
@@ -281,45 +281,60 @@ def test_across_hosts(fmt, placement):
             assert specials and over <= 0, f"rank {r} {placement}: {name}: specials {specials}, over by {over}"
 
 
-def ddp_hook_run(world, fmt):
-    """A small model trained a few steps with DDP over the "comm" backend, with the exact
-    all_reduce hook (None) or comm.torch.hooks' compressed one; returns the losses."""
+def ddp_hook_run(rank, size, port, fmt):
+    """A small model trained 20 steps with DDP over the "comm" backend, with the default
+    (exact) all_reduce or comm.torch.hooks' compressed hook; returns the losses. Also runs the
+    FSDP2 collectives once against the exact ones."""
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    import comm.torch  # noqa: F401  (registers the backend)
+    from torch_ranks import process_group
     from comm.torch import hooks
-    if not dist.is_initialized():
-        dist.init_process_group("comm", rank=world.rank, world_size=world.size,
-                                init_method=f"tcp://127.0.0.1:{os.environ['COMPRESS_TEST_PORT']}")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
-    ddp = DDP(model, bucket_cap_mb=1)
-    if fmt is not None:
-        ddp.register_comm_hook(None, hooks.bf16_hook if fmt == "bf16" else hooks.fp8_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    g = torch.Generator().manual_seed(1 + world.rank)
-    losses = []
-    for _ in range(20):
-        x = torch.randn(32, 64, generator=g)
-        loss = ((ddp(x) - x[:, :1].sin()) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    with process_group(rank, size, port) as dist:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+        ddp = DDP(model, bucket_cap_mb=1)
+        if fmt is not None:
+            ddp.register_comm_hook(None, hooks.bf16_hook if fmt == "bf16" else hooks.fp8_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        g = torch.Generator().manual_seed(1 + rank)
+        losses = []
+        for _ in range(20):
+            x = torch.randn(32, 64, generator=g)
+            loss = ((ddp(x) - x[:, :1].sin()) ** 2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        fsdp_ok = True
+        if fmt is not None:
+            inp = torch.randn(size * 1000, generator=g)
+            got, want = torch.empty(1000), torch.empty(1000)
+            hooks.CompressedReduceScatter(fmt)(got, inp, None, dist.ReduceOp.SUM)
+            dist.reduce_scatter_tensor(want, inp)
+            fsdp_ok = bool(torch.allclose(got, want, rtol=0, atol=0.15 * float(inp.abs().max()) * size))
+            gathered, exact = torch.empty(size * 1000), torch.empty(size * 1000)
+            hooks.CompressedAllGather(fmt)(gathered, got, None)
+            dist.all_gather_into_tensor(exact, got)
+            fsdp_ok &= bool(torch.allclose(gathered, exact, rtol=0.07, atol=1e-3 * float(got.abs().max())))
+    return losses, fsdp_ok
 
 
 @pytest.mark.slow
 def test_ddp_hooks_track_the_exact_run():
     pytest.importorskip("torch", reason="torch is not installed")
-    from harness import free_port
+    from harness import Cluster, free_port
     runs = {}
     for fmt in (None, "bf16", "fp8"):
-        env = dict(FORCE, COMPRESS_TEST_PORT=str(free_port()))
-        runs[fmt] = run_ranks(ddp_hook_run, 2, fmt, env=env, init=True)[0]
-    exact = np.array(runs[None])
+        c = Cluster(2, init=False, env=FORCE)
+        try:
+            runs[fmt] = c.run(ddp_hook_run, free_port(), fmt, timeout=120)
+        finally:
+            c.close()
+    exact = np.array(runs[None][0][0])
     assert exact[-1] < exact[0]
     for fmt, tol in (("bf16", 0.02), ("fp8", 0.1)):
-        got = np.array(runs[fmt])
-        assert np.all(np.abs(got - exact) <= tol * np.abs(exact) + 1e-4), f"{fmt}: {got} vs exact {exact}"
+        for r, (losses, fsdp_ok) in enumerate(runs[fmt]):
+            got = np.array(losses)
+            assert fsdp_ok, f"rank {r}: FSDP2 collectives with {fmt} differ from the exact ones"
+            assert np.all(np.abs(got - np.array(runs[None][r][0])) <= tol * np.abs(exact) + 1e-4), \
+                f"rank {r} {fmt}: {got} vs exact {exact}"
