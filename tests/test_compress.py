@@ -252,6 +252,19 @@ def two_level_suite(world, fmt):
     from comm import compress
     res = compressed_suite(world, fmt, (1 << 16) // world.size * world.size)
     res["path"] = compress.path(world, fmt, 1 << 22)
+    # large enough for the pipelined segments of the two-level form: aligned (computed in the
+    # output) and not (padded workspace)
+    n = world.size
+    for count in (3 << 21, (3 << 21) + 77):
+        x = np.random.default_rng(world.rank).standard_normal(count).astype(np.float32)
+        exact, got = x.copy(), np.empty_like(x)
+        world.all_reduce(exact)
+        world.all_reduce(x, out=got, compress=fmt)
+        every = np.empty(n * count, np.float32)
+        world.all_gather(every, x)
+        xs = every.reshape(n, count)
+        over = np.abs(got.astype(np.float64) - exact) - bound(fmt, n, np.abs(xs).sum(axis=0), block_max(xs))
+        res[f"large {count}"] = (True, float(over.max()))
     return res
 
 
