@@ -369,26 +369,38 @@ class _Plan:
     def reduce_scatter(self, desc: OpDesc, counts, block: int, f) -> None:
         """Block d of the input (counts[d] elements) summed over ranks lands on rank d."""
         n = self.c.size
-        work = self.space("work", block * n, np.float32)
-        starts = np.cumsum((0,) + tuple(counts))
-        for slot, rank in enumerate(self.order):   # the two-level layout: [local pos][host]
-            _load(work[slot * block:(slot + 1) * block], desc.send, starts[rank], counts[rank], desc)
+        plain = _plain(desc, counts, block)
+        if plain and not self.two_level and desc.op is not ReduceOp.PREMUL_SUM:
+            work = desc.send.numpy()   # only read: no copy
+        else:
+            work = self.space("work", block * n, np.float32)
+            starts = np.cumsum((0,) + tuple(counts))
+            for slot, rank in enumerate(self.order):   # the two-level layout: [local pos][host]
+                _load(work[slot * block:(slot + 1) * block], desc.send, starts[rank], counts[rank], desc)
         hosts = self.cross.size
         part = work
         if self.two_level:
             part = self.space("shard", block * hosts, np.float32)
             self.local.reduce_scatter(part, work)
-        mine = self.space("mine", block, np.float32)
+        # the sum is made in the output where it is plain float32 (in place too: this rank's
+        # block of the input is read last)
+        mine = desc.recv.numpy() if plain else self.space("mine", block, np.float32)
         self.cross_reduce_scatter(part, mine, block, f)
         _store(desc.recv, mine[:counts[self.c.rank]], desc, n)
 
     def all_gather(self, desc: OpDesc, counts, block: int, f) -> None:
         n = self.c.size
-        mine = self.space("mine", block, np.float32)
-        _load(mine, desc.send, 0, counts[self.c.rank], desc)
+        plain = _plain(desc, counts, block) and not self.two_level
+        if plain:   # float32 without padding, in rank order: read the input, write the output
+            mine = desc.send.numpy()
+        else:
+            mine = self.space("mine", block, np.float32)
+            _load(mine, desc.send, 0, counts[self.c.rank], desc)
         hosts = self.cross.size
-        gathered = self.space("shard", block * hosts, np.float32)
+        gathered = desc.recv.numpy() if plain else self.space("shard", block * hosts, np.float32)
         self.cross_all_gather(mine, gathered, block, f)
+        if plain:
+            return
         work = gathered
         if self.two_level:
             work = self.space("work", block * n, np.float32)
@@ -445,6 +457,11 @@ class _Plan:
 
 
 # ---- data in and out ------------------------------------------------------------------------
+def _plain(desc: OpDesc, counts, block: int) -> bool:
+    """float32 blocks that need no padding: the caller's buffers serve as workspaces."""
+    return desc.dtype is DType.FLOAT32 and all(k == block for k in counts)
+
+
 def _round_up(n: int, unit: int) -> int:
     return max(unit, -(-n // unit) * unit)
 
