@@ -89,8 +89,9 @@ def rank_main(args) -> int:
         world.all_reduce(magnitude)   # sum over ranks of |x|: the scale of the error bound
         for op in args.ops.split(","):
             results, times = {}, {f: [] for f in formats}
-            for f in formats:
-                _ops(world, op, f, x, out, part)()   # warm-up (and the sub-communicators)
+            for f in formats:   # warm-up: sub-communicators, and COMM_COMPRESS=auto's measurement
+                for _ in range(compress.PROBE_CALLS + 1 if f else 1):   # the last: the path chosen
+                    _ops(world, op, f, x, out, part)()
                 results[f] = out.copy()
             for _ in range(args.runs):
                 for f in formats:
@@ -102,6 +103,7 @@ def rank_main(args) -> int:
                     world.barrier()
                     times[f].append((time.perf_counter() - t0) / args.iters)
             exact_t = statistics.median(times[None])
+            labels = ("all_reduce",) if op == "all_reduce" else ("reduce_scatter", "all_gather")
             for f in formats:
                 t = statistics.median(times[f])
                 err = float(np.max(np.abs(results[f] - results[None]) / np.maximum(magnitude, 1e-30)))
@@ -110,7 +112,9 @@ def rank_main(args) -> int:
                 rows.append({"bytes": count * 4, "op": op, "format": f or "exact", "time_us": t * 1e6,
                              "busbw_gbps": FACTOR * (n - 1) / n * count * 4 / t / 1e9,
                              "link_bound_gbps": bound, "speedup": exact_t / t,
-                             "path": "exact" if f is None else compress.path(world, f, count * 4),
+                             "path": "exact" if f is None else " + ".join(
+                                 compress.path(world, f, count * 4, label=lb)   # both move count * 4 bytes
+                                 for lb in labels),
                              "max_rel_error": err})
         size *= args.stepfactor
     if r == 0:

@@ -26,9 +26,10 @@ first compressed call that runs this way and kept: every rank makes the same cal
 any collective. Hosts with unequal rank counts, or one host with COMM_COMPRESS=force, run
 the flat form over all ranks.
 
-When it is chosen (else the exact path runs, unchanged): the communicator spans hosts and
-the message holds at least COMM_COMPRESS_MIN_BYTES; COMM_COMPRESS=force chooses it always
-(tests), off never. Where the wire is as wide as the data (bfloat16 or float16 data with
+When it is chosen (else the exact path runs, unchanged): the communicator spans hosts, the
+message holds at least COMM_COMPRESS_MIN_BYTES, and (COMM_COMPRESS=auto, the default) the first
+calls of that size measured it faster than the exact path (see PROBE_CALLS); COMM_COMPRESS=on skips
+the measurement, force compresses always (one host too: tests), off never. Where the wire is as wide as the data (bfloat16 or float16 data with
 "bf16") the exact path runs. COMM_DEBUG=1 logs the path each (op, format) first takes.
 
 The calls run on the caller's thread; with async_op=True the returned Work is complete.
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 
@@ -129,7 +131,7 @@ def _why_exact(c, fmt: str, dtype: DType, nbytes: int) -> str | None:
     if c.size == 1:
         return "a group of one rank"
     mode = config.get("COMM_COMPRESS")
-    if mode != "auto":
+    if mode in ("off", "force"):
         return "COMM_COMPRESS=off" if mode == "off" else None
     if c.topology.num_hosts == 1:
         return "one host: shared memory is not the bound"
@@ -139,9 +141,17 @@ def _why_exact(c, fmt: str, dtype: DType, nbytes: int) -> str | None:
     return None
 
 
-def path(c, fmt: str, nbytes: int, dtype: DType = DType.FLOAT32) -> str:
-    """The path a call with compress=fmt on `c` takes for a message of nbytes (the bench's column)."""
+def path(c, fmt: str, nbytes: int, dtype: DType = DType.FLOAT32, label: str = "all_reduce") -> str:
+    """The path a call `label` with compress=fmt on `c` takes for a message of nbytes (also the
+    bench's column): "compressed ...", "exact (... not chosen: why)", or "measuring" while the
+    first calls of a size time both paths (COMM_COMPRESS=auto)."""
     why = _why_exact(c, fmt, dtype, nbytes)
+    if why is None and config.get("COMM_COMPRESS") == "auto":
+        probe = getattr(c, "_compress_probes", {}).get((label, fmt, nbytes.bit_length()))
+        if probe is None or probe.faster is None:
+            return f"measuring (compress={fmt}: the first {PROBE_CALLS} calls of this size time both paths)"
+        if not probe.faster:
+            why = f"measured slower here: {probe.times_ms()}"
     return f"exact (compress={fmt} not chosen: {why})" if why else f"compressed {fmt} ({_layout(c)})"
 
 
@@ -161,10 +171,19 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
     label = desc.kind.label
     check(c, label, fmt, desc)
     nbytes = max(b.nbytes for b in (desc.send, desc.recv) if b is not None)
-    taken = path(c, fmt, nbytes, desc.dtype)
+    taken = path(c, fmt, nbytes, desc.dtype, label)
+    if taken.startswith("measuring"):
+        _probe(c, label, fmt, nbytes).step(c, desc, fmt)
+        return Work(c, _Ran(), label, None) if async_op else None
     log.algorithm(c.rank, c._ctx.group_name, label, taken)
     if not taken.startswith("compressed"):
         return c._post(desc, async_op)
+    _compressed(c, desc, fmt)
+    return Work(c, _Ran(), label, None) if async_op else None
+
+
+def _compressed(c, desc: OpDesc, fmt: str) -> None:
+    label = desc.kind.label
     if c._failure is not None or c._closed:
         c._refuse(label)
     if not c._busy.acquire(False):
@@ -175,7 +194,48 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
         raise c._failed_op(label, e) from None
     finally:
         c._busy.release()
-    return Work(c, _Ran(), label, None) if async_op else None
+
+
+# COMM_COMPRESS=auto measures, per communicator, operation, format and power-of-two size, the
+# first calls: compressed (warm-up: sub-communicators, workspaces), exact, compressed, exact,
+# compressed; the faster path by the slowest rank's best time of each (one 16-byte all_reduce)
+# runs from then on. A link fast enough that compression only costs keeps the exact path.
+PROBE_CALLS = 5
+
+
+def _probe(c, label: str, fmt: str, nbytes: int) -> "_Probe":
+    probes = c.__dict__.setdefault("_compress_probes", {})
+    return probes.setdefault((label, fmt, nbytes.bit_length()), _Probe())
+
+
+class _Probe:
+    def __init__(self):
+        self.times: list[tuple[bool, float]] = []   # (compressed, seconds) of each probe call
+        self.faster: bool | None = None             # compressed is faster (None: not known yet)
+        self.best = (0.0, 0.0)                      # (exact, compressed) seconds, slowest rank
+
+    def times_ms(self) -> str:
+        return f"exact {self.best[0] * 1e3:.2f} ms, compressed {self.best[1] * 1e3:.2f} ms"
+
+    def step(self, c, desc: OpDesc, fmt: str) -> None:
+        compressed = len(self.times) % 2 == 0
+        t0 = time.perf_counter()
+        if compressed:
+            _compressed(c, desc, fmt)
+        else:
+            c._post(desc, False)
+        self.times.append((compressed, time.perf_counter() - t0))
+        if len(self.times) < PROBE_CALLS:
+            return
+        best = np.array([min(t for comp, t in self.times[1:] if comp is want) for want in (False, True)])
+        c.all_reduce(best, op=ReduceOp.MAX)
+        self.best, self.faster = (float(best[0]), float(best[1])), bool(best[1] < best[0])
+        log.debug(c.rank, f"{c._ctx.group_name}: {desc.kind.label} of 2^{desc_bits(desc)} bytes with "
+                          f"compress={fmt}: {self.times_ms()}: {'compressed' if self.faster else 'exact'} from now on")
+
+
+def desc_bits(desc: OpDesc) -> int:
+    return max(b.nbytes for b in (desc.send, desc.recv) if b is not None).bit_length() - 1
 
 
 class _Ran:

@@ -289,7 +289,7 @@ def test_across_hosts(fmt, placement):
     with NetnsCluster(max(placement) + 1) as hosts:
         c = Cluster(len(placement), "native", netns=[hosts.ns[h] for h in placement], timeout=120,
                     env={"MASTER_ADDR": hosts.addr(placement[0]), "COMM_TIMEOUT": "60",
-                         "COMM_COMPRESS_MIN_BYTES": "0"})
+                         "COMM_COMPRESS_MIN_BYTES": "0", "COMM_COMPRESS": "on"})
         try:
             results = c.run(two_level_suite, fmt, timeout=120)
         finally:
@@ -301,6 +301,47 @@ def test_across_hosts(fmt, placement):
         assert res.pop("persistent_f64")[1] <= 0
         for name, (specials, over) in res.items():
             assert specials and over <= 0, f"rank {r} {placement}: {name}: specials {specials}, over by {over}"
+
+
+def measured_choice(world, fmt):
+    """COMM_COMPRESS=auto: every call is right (exact, or within the bound), and after the
+    measuring calls every rank takes the same path."""
+    from comm import compress
+    n, paths, over = world.size, [], []
+    x = np.random.default_rng(world.rank).standard_normal(1 << 20).astype(np.float32)
+    every = np.empty(n * x.size, np.float32)
+    world.all_gather(every, x)
+    xs = every.reshape(n, -1)
+    exact = x.copy()
+    world.all_reduce(exact)
+    for _ in range(compress.PROBE_CALLS + 2):
+        paths.append(compress.path(world, fmt, x.nbytes))
+        got = x.copy()
+        world.all_reduce(got, compress=fmt)
+        over.append(float((np.abs(got.astype(np.float64) - exact)
+                           - bound(fmt, n, np.abs(xs).sum(axis=0), block_max(xs))).max()))
+    return paths, max(over)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rate", [None, "500mbit"], ids=["unlimited", "500mbit"])
+def test_auto_measures_then_keeps_one_path(rate):
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(unavailable())
+    from harness import Cluster
+    with NetnsCluster(2, rate) as hosts:
+        c = Cluster(2, "native", netns=[hosts.ns[0], hosts.ns[1]], timeout=120,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60"})
+        try:
+            results = c.run(measured_choice, "bf16", timeout=120)
+        finally:
+            c.close()
+    assert all(over <= 0 for _, over in results)
+    first, last = results[0][0], results[1][0]
+    assert first[0].startswith("measuring") and first[-1] == last[-1] and not first[-1].startswith("measuring")
+    if rate is not None:   # a link of 500 Mbit/s is the bound: compression wins
+        assert first[-1].startswith("compressed"), first[-1]
 
 
 def ddp_hook_run(rank, size, port, fmt):
