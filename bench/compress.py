@@ -24,14 +24,10 @@ import time
 import numpy as np
 
 from . import cluster
+from .cli import parse_size
 from .launch import _child_env, _run_ranks
 
 FACTOR = 2.0   # busbw = FACTOR (n-1)/n x bytes / time, for both operations
-
-
-def _size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(s[:-1]) * units[s[-1].upper()] if s[-1].upper() in units else int(s)
 
 
 def parse(argv):
@@ -39,8 +35,8 @@ def parse(argv):
     p.add_argument("--hosts", type=int, default=2, help="simulated hosts (network namespaces; root only)")
     p.add_argument("--np", type=int, default=2, help="ranks per host")
     p.add_argument("--link-rate", default=None, help="each host's link, each way (e.g. 2gbit); none: unlimited veth")
-    p.add_argument("-b", "--minbytes", default="16M")
-    p.add_argument("-e", "--maxbytes", default="64M")
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("16M"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
     p.add_argument("-f", "--stepfactor", type=int, default=2)
     p.add_argument("--ops", default="all_reduce,rs_ag")
     p.add_argument("--formats", default="bf16,fp8")
@@ -78,8 +74,8 @@ def rank_main(args) -> int:
     n, r = world.size, world.rank
     formats = [None] + [f for f in args.formats.split(",") if f]
     rows = []
-    size = _size(args.minbytes)
-    while size <= _size(args.maxbytes):
+    size = args.minbytes
+    while size <= args.maxbytes:
         count = size // 4 // n * n
         rng = np.random.default_rng(r)
         x = rng.standard_normal(count).astype(np.float32)

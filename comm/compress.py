@@ -56,7 +56,7 @@ except ImportError:
 FORMATS = ("bf16", "fp8")
 _OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 _DATA = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
-# The two-level all_reduce runs in segments of about this many bytes (at most _SEGMENTS of
+# A large all_reduce runs in segments of about this many bytes (at most _SEGMENTS of
 # them), so the shared-memory phases of one overlap the link-bound phase of another: serial,
 # they cost a quarter of a 2 Gbit/s link's time on two cores.
 _SEGMENT_BYTES = 8 << 20
@@ -311,19 +311,25 @@ class _Plan:
         self.c = c
         self.two_level = _two_level(t)
         # split runs on c, whose _busy this thread holds: _split is split without the lock
+        # Flat: two communicators for the compressed phase (lanes); segments of a large
+        # all_reduce alternate between them on two threads, so one lane's quantizing overlaps
+        # the other's transfer (a communicator runs one collective at a time, on one thread).
+        # Two-level: one lane, whose transfer the shared-memory phases overlap (a second lane
+        # measured no faster with two ranks per host on two cores).
         if self.two_level:
             self.local = c._split(t.host, t.local_rank)
-            self.cross = c._split(t.local_rank, t.host)
+            self.lanes = [c._split(t.local_rank, t.host)]
             # rank of (host h, local position l) in c: the order of the two-level layouts
             self.order = [t.hosts[h][l] for l in range(t.local_size) for h in range(t.num_hosts)]
         else:
             self.local = None
-            self.cross = c._split(0, c.rank)
+            self.lanes = [c._split(0, c.rank) for _ in range(2)]
             self.order = list(range(c.size))
+        self.cross = self.lanes[0]
         self._space: dict[str, np.ndarray] = {}
 
     def close(self) -> None:
-        for sub in (self.local, self.cross):
+        for sub in [self.local] + self.lanes:
             if sub is not None:
                 sub.close()
         self._space.clear()
@@ -356,7 +362,7 @@ class _Plan:
         hosts = self.cross.size
         # segments of the two-level form, pipelined (see _pipelined); one where there is no
         # shared-memory phase to hide, or the message is small
-        segments = max(1, min(_SEGMENTS, count * 4 // _SEGMENT_BYTES)) if local > 1 else 1
+        segments = max(1, min(_SEGMENTS, count * 4 // _SEGMENT_BYTES))
         chunk = _round_up(-(-count // (local * hosts * segments)), f.unit)
         total = chunk * local * hosts * segments
         if desc.dtype is DType.FLOAT32 and count == total:
@@ -369,60 +375,67 @@ class _Plan:
         else:
             work = self.space("work", total, np.float32)
             _load(work, desc.send, 0, count, desc)
-        if local == 1:
-            self.cross_all_reduce(work, chunk, f)
-        else:
-            self._pipelined(work, chunk, segments, f)
+        self._pipelined(work, chunk, segments, f)
         _store(desc.recv, work[:count], desc, self.c.size)
 
     def _pipelined(self, work: np.ndarray, chunk: int, segments: int, f) -> None:
-        """The two-level all_reduce of `segments` equal segments of work, the shared-memory
-        phases of one segment overlapping the link-bound phase of another: this thread runs
-        the `local` communicator's calls (reduce_scatter of segment k + 1, then all_gather of
-        segment k: the same order on every rank), a helper thread the `cross` communicator's.
-        Each communicator stays on one thread."""
-        hosts, local = self.cross.size, self.local.size
+        """The all_reduce of `segments` equal segments of work. Two-level: this thread runs the
+        `local` communicator's calls (reduce_scatter of segment k + 1, then all_gather of
+        segment k: the same order on every rank) while the lanes' threads run the compressed
+        phase of the segments in between, so the shared-memory phases overlap the link-bound
+        one. Flat: the lanes' threads alone. Each communicator stays on one thread."""
+        local = self.local.size if self.two_level else 1
+        hosts = self.cross.size
         seg, part = chunk * local * hosts, chunk * hosts
-        shards = self.space("shard", part * segments, np.float32)
-        for name in ("send", "recv", "gathered"):   # made here: the helper thread only uses them
-            self.space(name, f.wire(chunk) * hosts, np.uint8)
-        self.space("packet", f.wire(chunk), np.uint8)
+        shards = self.space("shard", part * segments, np.float32) if local > 1 else work
+        for lane in range(len(self.lanes)):   # made here: the lanes' threads only use them
+            for name in ("send", "recv", "gathered"):
+                self.space(f"{name}{lane}", f.wire(chunk) * hosts, np.uint8)
+            self.space(f"packet{lane}", f.wire(chunk), np.uint8)
         ready = [threading.Event() for _ in range(segments)]
         summed = [threading.Event() for _ in range(segments)]
         failure: list[BaseException] = []
 
-        def across():
+        def across(lane: int):
             try:
-                for k in range(segments):
+                for k in range(lane, segments, lanes):
                     ready[k].wait()
                     if failure:
                         return
-                    self.cross_all_reduce(shards[k * part:(k + 1) * part], chunk, f)
+                    self.cross_all_reduce(shards[k * part:(k + 1) * part], chunk, f, lane)
                     summed[k].set()
             except BaseException as e:
                 failure.append(e)
-            finally:
-                for event in summed:
+                for event in summed:   # nobody waits for a segment that will not come
                     event.set()
 
-        helper = threading.Thread(target=across, name="comm-compress", daemon=True)
-        helper.start()
+        lanes = min(len(self.lanes), segments)
+        helpers = [threading.Thread(target=across, args=(lane,), name=f"comm-compress-{lane}", daemon=True)
+                   for lane in range(lanes)]
+        for helper in helpers:
+            helper.start()
         try:
-            self.local.reduce_scatter(shards[:part], work[:seg])
-            ready[0].set()
-            for k in range(segments):
-                if k + 1 < segments:
-                    self.local.reduce_scatter(shards[(k + 1) * part:(k + 2) * part], work[(k + 1) * seg:(k + 2) * seg])
-                    ready[k + 1].set()
-                summed[k].wait()
-                if failure:
-                    break
-                self.local.all_gather(work[k * seg:(k + 1) * seg], shards[k * part:(k + 1) * part])
+            if local == 1:   # nothing to do first: every segment is ready
+                for event in ready:
+                    event.set()
+            else:
+                self.local.reduce_scatter(shards[:part], work[:seg])
+                ready[0].set()
+                for k in range(segments):
+                    if k + 1 < segments:
+                        self.local.reduce_scatter(shards[(k + 1) * part:(k + 2) * part],
+                                                  work[(k + 1) * seg:(k + 2) * seg])
+                        ready[k + 1].set()
+                    summed[k].wait()
+                    if failure:
+                        break
+                    self.local.all_gather(work[k * seg:(k + 1) * seg], shards[k * part:(k + 1) * part])
         except BaseException as e:
             failure.append(e)
             for event in ready:
                 event.set()
-        helper.join()
+        for helper in helpers:
+            helper.join()
         if failure:
             raise failure[0]
 
@@ -471,36 +484,38 @@ class _Plan:
             _store_into(out, starts[rank], work[slot * block:slot * block + counts[rank]], desc.dtype)
 
     # ---- the compressed phases, among `cross` (one rank per host, or every rank) ------------
-    def cross_all_reduce(self, shard: np.ndarray, chunk: int, f) -> None:
-        """shard (hosts x chunk) summed over cross, in place: each element quantized twice."""
-        hosts, me = self.cross.size, self.cross.rank
+    def cross_all_reduce(self, shard: np.ndarray, chunk: int, f, lane: int = 0) -> None:
+        """shard (hosts x chunk) summed over a lane, in place: each element quantized twice."""
+        cross = self.lanes[lane]
+        hosts, me = cross.size, cross.rank
         if hosts == 1:
             return
         mine = shard[me * chunk:(me + 1) * chunk]
-        self.cross_reduce_scatter(shard, mine, chunk, f)   # mine: own data + the others' sums
+        self.cross_reduce_scatter(shard, mine, chunk, f, lane)   # mine: own data + the others' sums
         w = f.wire(chunk)
-        packet = self.space("packet", w, np.uint8)
+        packet = self.space(f"packet{lane}", w, np.uint8)
         f.encode(mine, packet)
-        gathered = self.space("gathered", w * hosts, np.uint8)
-        self.cross.all_gather(gathered, packet)
+        gathered = self.space(f"gathered{lane}", w * hosts, np.uint8)
+        cross.all_gather(gathered, packet)
         for j in range(hosts):   # every rank, this one too, dequantizes the same bytes
             f.add(shard[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
 
-    def cross_reduce_scatter(self, blocks: np.ndarray, out: np.ndarray, chunk: int, f) -> None:
-        """out = sum over cross of chunk `rank` of blocks; the own chunk is added exactly."""
-        hosts, me = self.cross.size, self.cross.rank
+    def cross_reduce_scatter(self, blocks: np.ndarray, out: np.ndarray, chunk: int, f, lane: int = 0) -> None:
+        """out = sum over a lane of chunk `rank` of blocks; the own chunk is added exactly."""
+        cross = self.lanes[lane]
+        hosts, me = cross.size, cross.rank
         own = blocks[me * chunk:(me + 1) * chunk]
         if out.ctypes.data != own.ctypes.data:
             out[:] = own
         if hosts == 1:
             return
         w = f.wire(chunk)
-        send = self.space("send", w * hosts, np.uint8)
+        send = self.space(f"send{lane}", w * hosts, np.uint8)
         for j in range(hosts):
             if j != me:
                 f.encode(blocks[j * chunk:(j + 1) * chunk], send[j * w:(j + 1) * w])
-        recv = self.space("recv", w * hosts, np.uint8)
-        self.cross.all_to_all(recv, send)
+        recv = self.space(f"recv{lane}", w * hosts, np.uint8)
+        cross.all_to_all(recv, send)
         for j in range(hosts):
             if j != me:
                 f.add(out, recv[j * w:(j + 1) * w], True)
@@ -508,9 +523,9 @@ class _Plan:
     def cross_all_gather(self, mine: np.ndarray, out: np.ndarray, chunk: int, f) -> None:
         hosts = self.cross.size
         w = f.wire(chunk)
-        packet = self.space("packet", w, np.uint8)
+        packet = self.space("packet0", w, np.uint8)
         f.encode(mine, packet)
-        gathered = self.space("gathered", w * hosts, np.uint8)
+        gathered = self.space("gathered0", w * hosts, np.uint8)
         self.cross.all_gather(gathered, packet)
         for j in range(hosts):
             f.add(out[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
