@@ -350,11 +350,14 @@ class _Plan:
             self.all_reduce(desc, f)
             return
         counts = desc.recv_counts if kind in (OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V) else (desc.count,) * n
-        block = _round_up(max(counts) if counts else 0, f.unit)
+        most = max(counts) if counts else 0
+        # flat: segments over the lanes, as all_reduce (each rank's block cut in `segments`)
+        segments = 1 if self.two_level else max(1, min(_SEGMENTS, n * most * 4 // _SEGMENT_BYTES))
+        block = _round_up(most, f.unit * segments)
         if kind in (OpKind.ALL_GATHER, OpKind.ALL_GATHER_V):
-            self.all_gather(desc, counts, block, f)
+            self.all_gather(desc, counts, block, segments, f)
         else:
-            self.reduce_scatter(desc, counts, block, f)
+            self.reduce_scatter(desc, counts, block, segments, f)
 
     def all_reduce(self, desc: OpDesc, f) -> None:
         count = desc.count
@@ -439,7 +442,7 @@ class _Plan:
         if failure:
             raise failure[0]
 
-    def reduce_scatter(self, desc: OpDesc, counts, block: int, f) -> None:
+    def reduce_scatter(self, desc: OpDesc, counts, block: int, segments: int, f) -> None:
         """Block d of the input (counts[d] elements) summed over ranks lands on rank d."""
         n = self.c.size
         plain = _plain(desc, counts, block)
@@ -458,10 +461,12 @@ class _Plan:
         # the sum is made in the output where it is plain float32 (in place too: this rank's
         # block of the input is read last)
         mine = desc.recv.numpy() if plain else self.space("mine", block, np.float32)
-        self.cross_reduce_scatter(part, mine, block, f)
+        rows, seg = part.reshape(hosts, block), block // segments
+        self.in_lanes(segments, lambda k, lane: self.cross_reduce_scatter(
+            rows[:, k * seg:(k + 1) * seg], mine[k * seg:(k + 1) * seg], f, lane))
         _store(desc.recv, mine[:counts[self.c.rank]], desc, n)
 
-    def all_gather(self, desc: OpDesc, counts, block: int, f) -> None:
+    def all_gather(self, desc: OpDesc, counts, block: int, segments: int, f) -> None:
         n = self.c.size
         plain = _plain(desc, counts, block) and not self.two_level
         if plain:   # float32 without padding, in rank order: read the input, write the output
@@ -471,7 +476,9 @@ class _Plan:
             _load(mine, desc.send, 0, counts[self.c.rank], desc)
         hosts = self.cross.size
         gathered = desc.recv.numpy() if plain else self.space("shard", block * hosts, np.float32)
-        self.cross_all_gather(mine, gathered, block, f)
+        rows, seg = gathered.reshape(hosts, block), block // segments
+        self.in_lanes(segments, lambda k, lane: self.cross_all_gather(
+            mine[k * seg:(k + 1) * seg], rows[:, k * seg:(k + 1) * seg], f, lane))
         if plain:
             return
         work = gathered
@@ -487,48 +494,69 @@ class _Plan:
     def cross_all_reduce(self, shard: np.ndarray, chunk: int, f, lane: int = 0) -> None:
         """shard (hosts x chunk) summed over a lane, in place: each element quantized twice."""
         cross = self.lanes[lane]
-        hosts, me = cross.size, cross.rank
-        if hosts == 1:
+        if cross.size == 1:
             return
-        mine = shard[me * chunk:(me + 1) * chunk]
-        self.cross_reduce_scatter(shard, mine, chunk, f, lane)   # mine: own data + the others' sums
-        w = f.wire(chunk)
-        packet = self.space(f"packet{lane}", w, np.uint8)
-        f.encode(mine, packet)
-        gathered = self.space(f"gathered{lane}", w * hosts, np.uint8)
-        cross.all_gather(gathered, packet)
-        for j in range(hosts):   # every rank, this one too, dequantizes the same bytes
-            f.add(shard[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
+        rows = shard.reshape(cross.size, chunk)
+        mine = rows[cross.rank]
+        self.cross_reduce_scatter(rows, mine, f, lane)   # mine: own data + the others' sums
+        self.cross_all_gather(mine, rows, f, lane)       # every rank dequantizes the same bytes
 
-    def cross_reduce_scatter(self, blocks: np.ndarray, out: np.ndarray, chunk: int, f, lane: int = 0) -> None:
-        """out = sum over a lane of chunk `rank` of blocks; the own chunk is added exactly."""
+    def cross_reduce_scatter(self, rows: np.ndarray, out: np.ndarray, f, lane: int = 0) -> None:
+        """out = sum over a lane of row `rank` of rows (one row per rank, each contiguous; the
+        whole need not be); the own row is added exactly, the others quantized once."""
         cross = self.lanes[lane]
-        hosts, me = cross.size, cross.rank
-        own = blocks[me * chunk:(me + 1) * chunk]
-        if out.ctypes.data != own.ctypes.data:
-            out[:] = own
+        hosts, me, chunk = cross.size, cross.rank, rows.shape[1]
+        if out.ctypes.data != rows[me].ctypes.data:
+            out[:] = rows[me]
         if hosts == 1:
             return
         w = f.wire(chunk)
         send = self.space(f"send{lane}", w * hosts, np.uint8)
         for j in range(hosts):
             if j != me:
-                f.encode(blocks[j * chunk:(j + 1) * chunk], send[j * w:(j + 1) * w])
+                f.encode(rows[j], send[j * w:(j + 1) * w])
         recv = self.space(f"recv{lane}", w * hosts, np.uint8)
         cross.all_to_all(recv, send)
         for j in range(hosts):
             if j != me:
                 f.add(out, recv[j * w:(j + 1) * w], True)
 
-    def cross_all_gather(self, mine: np.ndarray, out: np.ndarray, chunk: int, f) -> None:
-        hosts = self.cross.size
-        w = f.wire(chunk)
-        packet = self.space("packet0", w, np.uint8)
+    def cross_all_gather(self, mine: np.ndarray, rows: np.ndarray, f, lane: int = 0) -> None:
+        """Row r of rows = rank r's mine, quantized once (this rank's row too: same bits everywhere)."""
+        cross = self.lanes[lane]
+        w = f.wire(mine.size)
+        packet = self.space(f"packet{lane}", w, np.uint8)
         f.encode(mine, packet)
-        gathered = self.space("gathered0", w * hosts, np.uint8)
-        self.cross.all_gather(gathered, packet)
-        for j in range(hosts):
-            f.add(out[j * chunk:(j + 1) * chunk], gathered[j * w:(j + 1) * w], False)
+        gathered = self.space(f"gathered{lane}", w * cross.size, np.uint8)
+        cross.all_gather(gathered, packet)
+        for j in range(cross.size):
+            f.add(rows[j], gathered[j * w:(j + 1) * w], False)
+
+    def in_lanes(self, segments: int, body) -> None:
+        """body(k, lane) for k in range(segments), segment k on lane k % lanes, each lane on a
+        thread of its own (inline when there is one segment)."""
+        if segments == 1:
+            body(0, 0)
+            return
+        failure: list[BaseException] = []
+
+        def lane_loop(lane: int):
+            try:
+                for k in range(lane, segments, len(self.lanes)):
+                    if failure:
+                        return
+                    body(k, lane)
+            except BaseException as e:
+                failure.append(e)
+
+        threads = [threading.Thread(target=lane_loop, args=(lane,), name=f"comm-compress-{lane}", daemon=True)
+                   for lane in range(min(len(self.lanes), segments))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failure:
+            raise failure[0]
 
 
 # ---- data in and out ------------------------------------------------------------------------

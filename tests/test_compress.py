@@ -274,6 +274,23 @@ def two_level_suite(world, fmt):
         xs = every.reshape(n, count)
         over = np.abs(got.astype(np.float64) - exact) - bound(fmt, n, np.abs(xs).sum(axis=0), block_max(xs))
         res[f"large {count}"] = (True, float(over.max()))
+        # reduce_scatter and all_gather of the same (segmented over the lanes where flat)
+        per = count // n
+        rs, rs_exact = np.empty(per, np.float32), np.empty(per, np.float32)
+        world.reduce_scatter(rs, x[:per * n], compress=fmt)
+        world.reduce_scatter(rs_exact, x[:per * n])
+        mine = slice(world.rank * per, (world.rank + 1) * per)
+        over = np.abs(rs.astype(np.float64) - rs_exact) - bound(fmt, n, np.abs(xs).sum(axis=0)[mine],
+                                                                   block_max(xs[:, :per * n])[mine])
+        res[f"large reduce_scatter {count}"] = (True, float(over.max()))
+        ag = np.empty(per * n, np.float32)
+        world.all_gather(ag, rs_exact, compress=fmt)
+        ag_exact = np.empty(per * n, np.float32)
+        world.all_gather(ag_exact, rs_exact)
+        over = np.abs(ag.astype(np.float64) - ag_exact) - 2.0 ** -7 * np.abs(ag_exact) if fmt == "bf16" else \
+            np.abs(ag.astype(np.float64) - ag_exact) - bound(fmt, 1, np.abs(ag_exact) / 2, np.repeat(
+                np.abs(np.pad(ag_exact, (0, -ag_exact.size % 256))).reshape(-1, 256).max(axis=1), 256)[:ag_exact.size])
+        res[f"large all_gather {count}"] = (True, float(over.max()))
     return res
 
 
