@@ -43,12 +43,44 @@ def parse(argv):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("-n", "--iters", type=int, default=3, help="timed calls per repetition")
     p.add_argument("--json", default=None)
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: each wire-format kernel's rate on this CPU (GB/s of float32), one process")
     return p.parse_args(argv)
+
+
+def kernel_rates(count: int = 1 << 24, repeat: int = 5) -> int:
+    """GB/s of float32 through each kernel (best of `repeat`), on one core of this machine."""
+    from comm import _native
+    x = np.random.default_rng(0).standard_normal(count).astype(np.float32)
+    acc = np.empty_like(x)
+    half, codes = np.empty(count, np.uint16), np.empty(count, np.uint8)
+    scales = np.empty(count // 256 + 1, np.float32)
+    p = lambda a: a.ctypes.data   # noqa: E731
+    kernels = {
+        "bf16 encode": lambda: _native.compress_to_bf16(p(x), p(half), count),
+        "bf16 decode-add": lambda: _native.compress_bf16_add(p(acc), p(half), count, True),
+        "fp8 encode": lambda: _native.compress_to_fp8(p(x), p(codes), p(scales), count, 256),
+        "fp8 decode-add": lambda: _native.compress_fp8_add(p(acc), p(codes), p(scales), count, 256, True),
+    }
+    print(f"# wire-format kernels ({_native.kernel_isa()}), {count * 4 >> 20} MiB of float32, best of {repeat}")
+    for name, run in kernels.items():
+        run()
+        best = min(_timed(run) for _ in range(repeat))
+        print(f"{name:>16} {count * 4 / best / 1e9:7.2f} GB/s")
+    return 0
+
+
+def _timed(run) -> float:
+    t0 = time.perf_counter()
+    run()
+    return time.perf_counter() - t0
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse(argv)
+    if args.kernels:
+        return kernel_rates()
     if "RANK" in os.environ:
         return rank_main(args)
     why = cluster.unavailable()
