@@ -20,9 +20,13 @@ bfloat16 but sums in float32, quantizing each element at most twice: its error i
 bound); fp8_hook's is at most (2^-3 + 2^-8 + n x 2^-23) of it plus 9e-6 of the sum of the
 ranks' block maxima. The average (DDP's gradient mean) is taken in float32 after the sum.
 
-The hooks run the all_reduce on the thread DDP calls them from and return a completed future:
-on a link-bound job the link, not that overlap, sets the step time.
+The hooks run the all_reduce on one thread per communicator and return its future, so backward
+goes on meanwhile; the FSDP2 collectives run on the calling thread (FSDP2 runs them on its own
+streams' schedule).
 """
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.distributed as dist
 
@@ -55,10 +59,31 @@ def communicator(group, op: str):
 def _all_reduce_hook(group, bucket, fmt: str) -> torch.futures.Future:
     tensor = bucket.buffer()
     c = communicator(group, "all_reduce")
-    c.all_reduce(tensor, ReduceOp.AVG, compress=fmt)
     fut = torch.futures.Future()
-    fut.set_result(tensor)
+
+    def run():
+        try:
+            c.all_reduce(tensor, ReduceOp.AVG, compress=fmt)
+        except BaseException as e:
+            fut.set_exception(e)
+        else:
+            fut.set_result(tensor)
+
+    _worker(c).submit(run)
     return fut
+
+
+_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _worker(c) -> ThreadPoolExecutor:
+    """One thread per communicator runs its hooks' all_reduces, in bucket order: backward goes on
+    meanwhile, as with DDP's own asynchronous all_reduce (DDP waits for every bucket's future
+    before the optimizer step, so nothing else uses the communicator in between)."""
+    worker = _WORKERS.get(c)
+    if worker is None:
+        worker = _WORKERS[c] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-ddp-hook")
+    return worker
 
 
 def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
