@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import run_ranks, slow
+from harness import run_ranks
 
 native = pytest.importorskip("comm._native", reason="the native engine is not built")
 
