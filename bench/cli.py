@@ -5,6 +5,7 @@ import argparse
 import os
 import re
 import socket
+import subprocess
 import sys
 
 from comm import config
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", metavar="RATE", default=None,
                    help="with --hosts: limit each host's link to RATE each way (e.g. 2gbit); the "
                         "comparison then shows the link bound of busbw")
+    p.add_argument("--compress", metavar="FORMATS", default=None,
+                   help="compressed collectives (bf16,fp8) against the exact path, with --hosts: "
+                        "runs python -m bench.compress (effective busbw, link bound, measured error) "
+                        "for all_reduce and reduce_scatter + all_gather, float32")
     p.add_argument("--time-budget", type=float, default=0.25,
                    help="seconds of timed iterations per size and mode before -n is cut, shared by "
                         "the --runs repetitions (0.25; 0: never cut)")
@@ -212,6 +217,14 @@ def main(argv: list[str] | None = None, out=None, err=None) -> int:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw)
     benches = _benchmarks(args, load_all())
+    if args.compress:   # its own comparison: compressed results are not bit-exact (bench/compress.py)
+        ops = {"all_reduce": "all_reduce", "reduce_scatter": "rs_ag", "all_gather": "rs_ag"}
+        chosen = sorted({ops[b.name] for b in benches if b.name in ops}) or ["all_reduce", "rs_ag"]
+        return subprocess.call([sys.executable, "-m", "bench.compress", "--hosts", str(args.hosts or 1), "--np", str(args.np or 2), "-b", str(args.minbytes),
+                              "-e", str(args.maxbytes), "-f", str(max(2, args.stepfactor)), "--formats", args.compress,
+                              "--ops", ",".join(chosen), "--runs", str(args.runs)]
+                             + (["--link-rate", args.link_rate] if args.link_rate else [])
+                             + (["--json", args.json] if args.json else []))
     if args.hosts and not launched():
         return launch_on_hosts(raw, args.hosts, args.np, args.link_rate, err or sys.stderr)
     if args.np and not launched():

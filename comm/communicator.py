@@ -19,6 +19,7 @@ import threading
 import weakref
 
 from . import auth, config, elastic, log, rendezvous, vcollectives
+from . import compress as compression
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      Revoked, TransportUnavailable, _integer, _many, from_os_error)
@@ -355,8 +356,12 @@ class Communicator:
         return err
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False):
-        """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched)."""
+    def all_reduce(self, x, op=SUM, *, out=None, scale: float | None = None, async_op: bool = False,
+                   compress: str | None = None):
+        """Reduce x over all ranks; the result lands in x (or in `out`, leaving x untouched).
+        compress="bf16" / "fp8": fewer bits between hosts, float32 sums (comm.compress)."""
+        if compress is not None:
+            return compression.run(self, self._all_reduce(x, op, out, scale), compress, async_op)
         lean = self._lean   # (the async lean path exists where this one does)
         if lean is not None and scale is None and self._failure is None and not self._closed:
             if self._orphans:
@@ -372,9 +377,13 @@ class Communicator:
                 raise self._overlap("all_reduce")
         return self._post(self._all_reduce(x, op, out, scale), async_op)
 
-    def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None) -> Persistent:
+    def all_reduce_init(self, x, op=SUM, *, out=None, scale: float | None = None,
+                        compress: str | None = None) -> Persistent:
         """A persistent all_reduce of x: checked once, then h() (or h.start(); h.wait()) runs it."""
-        return Persistent(self, self._all_reduce(x, op, out, scale))
+        return self._persistent(self._all_reduce(x, op, out, scale), compress)
+
+    def _persistent(self, desc: OpDesc, compress: str | None):
+        return Persistent(self, desc) if compress is None else compression.Persistent(self, desc, compress)
 
     def _all_reduce(self, x, op, out, scale) -> OpDesc:
         name = "all_reduce"
@@ -388,17 +397,21 @@ class Communicator:
         rop, factor = self._reduce_op(name, op, send, scale)
         return OpDesc(OpKind.ALL_REDUCE, send, recv, send.dtype, send.count, rop, factor)
 
-    def reduce_scatter(self, out, x, op=SUM, *, scale: float | None = None, async_op: bool = False):
+    def reduce_scatter(self, out, x, op=SUM, *, scale: float | None = None, async_op: bool = False,
+                       compress: str | None = None):
         """Reduce x (size * len(out) elements) over all ranks; rank r gets block r in `out`."""
+        if compress is not None:
+            return compression.run(self, self._reduce_scatter(out, x, op, scale), compress, async_op)
         if scale is None:
             done = self._lean_call(_REDUCE_SCATTER, "reduce_scatter", x, out, op, None, None, async_op)
             if done is not _SKIPPED:
                 return done
         return self._post(self._reduce_scatter(out, x, op, scale), async_op)
 
-    def reduce_scatter_init(self, out, x, op=SUM, *, scale: float | None = None) -> Persistent:
+    def reduce_scatter_init(self, out, x, op=SUM, *, scale: float | None = None,
+                            compress: str | None = None) -> Persistent:
         """A persistent reduce_scatter (see all_reduce_init)."""
-        return Persistent(self, self._reduce_scatter(out, x, op, scale))
+        return self._persistent(self._reduce_scatter(out, x, op, scale), compress)
 
     def _reduce_scatter(self, out, x, op, scale) -> OpDesc:
         name = "reduce_scatter"
@@ -410,16 +423,18 @@ class Communicator:
         rop, factor = self._reduce_op(name, op, send, scale)
         return OpDesc(OpKind.REDUCE_SCATTER, send, recv, send.dtype, recv.count, rop, factor)
 
-    def all_gather(self, out, x, *, async_op: bool = False):
+    def all_gather(self, out, x, *, async_op: bool = False, compress: str | None = None):
         """Concatenate every rank's x, in rank order, into `out` (size * len(x) elements)."""
+        if compress is not None:
+            return compression.run(self, self._all_gather(out, x), compress, async_op)
         done = self._lean_call(_ALL_GATHER, "all_gather", x, out, None, None, None, async_op)
         if done is not _SKIPPED:
             return done
         return self._post(self._all_gather(out, x), async_op)
 
-    def all_gather_init(self, out, x) -> Persistent:
+    def all_gather_init(self, out, x, *, compress: str | None = None) -> Persistent:
         """A persistent all_gather (see all_reduce_init)."""
-        return Persistent(self, self._all_gather(out, x))
+        return self._persistent(self._all_gather(out, x), compress)
 
     def _all_gather(self, out, x) -> OpDesc:
         name = "all_gather"
@@ -430,30 +445,37 @@ class Communicator:
         self._apart(name, send, recv, self.rank * send.nbytes, f"in place, x is block {self.rank} of out")
         return OpDesc(OpKind.ALL_GATHER, send, recv, send.dtype, send.count)
 
-    def all_gather_v(self, out, x, counts, *, async_op: bool = False):
+    def all_gather_v(self, out, x, counts, *, async_op: bool = False, compress: str | None = None):
         """Blocks of any size: rank r's x (counts[r] rows) lands at rows sum(counts[:r]) of `out`
         on every rank (MPI's Allgatherv). counts: the same list on every rank; zeros allowed."""
+        if compress is not None:
+            return compression.run(self, vcollectives.all_gather_v(self, out, x, counts), compress, async_op)
         done = self._lean_call(_ALL_GATHER_V, "all_gather_v", x, out, None, None, counts, async_op)
         if done is not _SKIPPED:
             return done
         return self._post(vcollectives.all_gather_v(self, out, x, counts), async_op)
 
-    def all_gather_v_init(self, out, x, counts) -> Persistent:
+    def all_gather_v_init(self, out, x, counts, *, compress: str | None = None) -> Persistent:
         """A persistent all_gather_v (see all_reduce_init)."""
-        return Persistent(self, vcollectives.all_gather_v(self, out, x, counts))
+        return self._persistent(vcollectives.all_gather_v(self, out, x, counts), compress)
 
-    def reduce_scatter_v(self, out, x, counts, op=SUM, *, scale: float | None = None, async_op: bool = False):
+    def reduce_scatter_v(self, out, x, counts, op=SUM, *, scale: float | None = None, async_op: bool = False,
+                         compress: str | None = None):
         """Reduce x (sum(counts) rows) over all ranks; rank r gets rows sum(counts[:r]) ..
         sum(counts[:r+1]) in `out` (counts[r] rows; MPI's Reduce_scatter)."""
+        if compress is not None:
+            return compression.run(self, vcollectives.reduce_scatter_v(self, out, x, counts, op, scale),
+                                   compress, async_op)
         if scale is None:
             done = self._lean_call(_REDUCE_SCATTER_V, "reduce_scatter_v", x, out, op, None, counts, async_op)
             if done is not _SKIPPED:
                 return done
         return self._post(vcollectives.reduce_scatter_v(self, out, x, counts, op, scale), async_op)
 
-    def reduce_scatter_v_init(self, out, x, counts, op=SUM, *, scale: float | None = None) -> Persistent:
+    def reduce_scatter_v_init(self, out, x, counts, op=SUM, *, scale: float | None = None,
+                              compress: str | None = None) -> Persistent:
         """A persistent reduce_scatter_v (see all_reduce_init)."""
-        return Persistent(self, vcollectives.reduce_scatter_v(self, out, x, counts, op, scale))
+        return self._persistent(vcollectives.reduce_scatter_v(self, out, x, counts, op, scale), compress)
 
     def broadcast(self, x, root: int = 0, *, async_op: bool = False):
         """Copy root's x into x on every rank."""
@@ -704,6 +726,7 @@ class Communicator:
         self._closed = True
         if self._foreign:
             return  # the parent's to close; the child's copies went at fork
+        compression.close(self)   # the sub-communicators of compressed calls
         self._transport.close()
         self._reap(len(self._orphans))  # ended now, unless the transport lets them outlive close()
         if self._stager is not None:

@@ -124,6 +124,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_VERBS_HOP_LIMIT", "64", "IP hop limit (TTL) of the verbs transport's RoCE v2 / routed InfiniBand packets; 1 keeps them inside one subnet.", _int_at_least(1)),
     Variable("COMM_MPI_BOUNDED", "1", "1: the mpi transport runs blocking operations as non-blocking ones polled against COMM_TIMEOUT, so a hung peer is an error, not a hang. 0: MPI's blocking calls (a few us faster; they cannot time out).", _flag),
     Variable("COMM_REPORT_INTERVAL", "10", "Seconds between rank 0's reports, while init waits, of the ranks that have not joined yet and where the others came from. 0: no reports.", _seconds(True)),
+    Variable("COMM_COMPRESS", "auto", "Calls with compress='bf16' / 'fp8' (comm.compress): auto (where the communicator spans hosts and the message holds at least COMM_COMPRESS_MIN_BYTES, if the first calls of that size measure it faster than the exact path), on (there, without measuring), force (always, one host too), off (never: the exact path). Every rank must use the same.", _one_of("auto", "on", "force", "off")),
+    Variable("COMM_COMPRESS_MIN_BYTES", "4194304", "Smallest message (bytes of the caller's data) that compress= compresses across hosts; below it the exact path runs (latency, not the link, bounds small messages: at 2 Gbit/s compression measured slower at 1 MiB, even at 4 MiB, faster from 16 MiB).", _int_at_least(0)),
+    Variable("COMM_COMPRESS_BLOCK", "256", "Elements per float32 scale of compress='fp8' (smaller: more accurate, more scale bytes on the wire, 4 per block). Every rank must use the same.", _int_at_least(1)),
     Variable("COMM_DEBUG", "0", "1: log set-up (rendezvous, transport, connections) and each algorithm's first use to stderr.", _flag),
 ]}
 

@@ -16,6 +16,7 @@
 
 #include "algorithms.h"
 #include "binding.h"
+#include "compress.h"
 #include "engine.h"
 #include "reduce.h"
 
@@ -616,6 +617,42 @@ NB_MODULE(_native, m) {
       },
       nb::arg("dtype"), nb::arg("out"), nb::arg("input"), nb::arg("count"), nb::arg("factor"), release(),
       "out[i] = input[i] * factor for a floating dtype (PREMUL_SUM inputs, AVG results); out may be input.");
+  // Compressed collectives (comm/compress.py): the wire formats' kernels over addresses the
+  // Python side sized (it owns the arrays; these only convert). Counts are elements.
+  m.def(
+      "compress_to_bf16",
+      [](uintptr_t in, uintptr_t out, size_t count) {
+        compress::kernels().to_bf16(reinterpret_cast<const float*>(in), reinterpret_cast<uint16_t*>(out), count);
+      },
+      nb::arg("input"), nb::arg("out"), nb::arg("count"), release(),
+      "out (bf16) = input (float32), rounded to nearest even; NaN and Inf kept.");
+  m.def(
+      "compress_bf16_add",
+      [](uintptr_t acc, uintptr_t in, size_t count, bool accumulate) {
+        compress::kernels().bf16_add(reinterpret_cast<float*>(acc), reinterpret_cast<const uint16_t*>(in), count,
+                                     accumulate);
+      },
+      nb::arg("acc"), nb::arg("input"), nb::arg("count"), nb::arg("accumulate"), release(),
+      "acc (float32) = (acc if accumulate else 0) + input (bf16).");
+  m.def(
+      "compress_to_fp8",
+      [](uintptr_t in, uintptr_t codes, uintptr_t scales, size_t count, size_t block) {
+        if (block == 0) fail(ErrorCode::INVALID_ARGUMENT, -1, "fp8 block size must be positive");
+        compress::kernels().to_fp8(reinterpret_cast<const float*>(in), reinterpret_cast<uint8_t*>(codes),
+                                   reinterpret_cast<float*>(scales), count, block);
+      },
+      nb::arg("input"), nb::arg("codes"), nb::arg("scales"), nb::arg("count"), nb::arg("block"), release(),
+      "codes (e4m3 bytes) and scales (one float32 per block) of input (float32).");
+  m.def(
+      "compress_fp8_add",
+      [](uintptr_t acc, uintptr_t codes, uintptr_t scales, size_t count, size_t block, bool accumulate) {
+        if (block == 0) fail(ErrorCode::INVALID_ARGUMENT, -1, "fp8 block size must be positive");
+        compress::kernels().fp8_add(reinterpret_cast<float*>(acc), reinterpret_cast<const uint8_t*>(codes),
+                                    reinterpret_cast<const float*>(scales), count, block, accumulate);
+      },
+      nb::arg("acc"), nb::arg("codes"), nb::arg("scales"), nb::arg("count"), nb::arg("block"),
+      nb::arg("accumulate"), release(),
+      "acc (float32) = (acc if accumulate else 0) + codes dequantized with their block's scale.");
   m.def("net_unavailable", &net_unavailable, nb::arg("name"), nb::arg("options"), release(),
         "Why net `name` cannot be opened here, or an empty string when it can.");
   m.def("net_library", &net_library, nb::arg("name"), nb::arg("options"), release(),
