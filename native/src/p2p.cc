@@ -470,6 +470,7 @@ void P2P::add_window(uint32_t id, WindowMemory* w) {
     if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
     if (broken_) throw *broken_;
     windows_[id] = w;
+    had_window_ = true;
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   }
   cv_.notify_all();

@@ -59,7 +59,7 @@ class P2P {
   // then returns null (throws its error); otherwise returns the op to wait on.
   std::shared_ptr<Op> post(OpArgs a, bool blocking);
   void add_peer(int peer);  // a peer connected while running: its stream joins the sweep
-  // One-sided: while a window is registered the driver drains every inbound stream even when
+  // One-sided: once a window was registered the driver drains every inbound stream even when
   // nothing is posted (a put lands without the target's application), until a failure.
   void add_window(uint32_t id, WindowMemory* w);
   void remove_window(uint32_t id);  // no byte lands in it after this returns
@@ -128,7 +128,10 @@ class P2P {
   bool window_message(int peer);  // a one-sided header arrived; true when it has no body
   void window_landed(int peer);   // a put's body landed
   void queue_reply(int peer, const WireHeader& h, char* buf, uint64_t len);
-  bool listening() const { return !windows_.empty() && !broken_ && !stopping_; }
+  // Once this communicator had a window its streams are drained for good: a put that comes
+  // after the window closed (only a peer that broke the collective close sends one) is then
+  // refused and answered, instead of stalling the peer's stream until a receive is posted.
+  bool listening() const { return had_window_ && !broken_ && !stopping_; }
   bool busy(const PeerState& ps) const;
 
   Comm& c_;
@@ -145,6 +148,7 @@ class P2P {
   std::thread thread_;
   int wake_fd_ = -1;  // eventfd: a post interrupts the driver's poll()
   std::map<uint32_t, WindowMemory*> windows_;  // this rank's open windows, by id
+  bool had_window_ = false;
 };
 
 }  // namespace comm

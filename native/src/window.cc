@@ -77,6 +77,14 @@ Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, u
     fail_errno("mmap window signal segment");
   }
   mem_.seg = static_cast<char*>(p);
+  // Open to puts before any peer learns of it (a peer may put as soon as its exchange ends).
+  try {
+    p2p_.add_window(id_, &mem_);
+  } catch (...) {
+    munmap(mem_.seg, seg_bytes_);
+    ::close(fd_);
+    throw;
+  }
 }
 
 Window::~Window() {
@@ -114,8 +122,6 @@ void Window::connect(const std::vector<WindowPeer>& peers) {
     if (m == MAP_FAILED) fail_errno("mmap the window signals of " + who(p));
     peer_segs_[p] = static_cast<char*>(m);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  p2p_.add_window(id_, &mem_);
 }
 
 void Window::check_open(const char* op) const {
