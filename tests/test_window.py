@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
-from harness import engine_param, run_ranks
+from harness import Cluster, engine_param, run_ranks
+from harness import slow as slow_params
 
 SETUPS = {"cma": ("native", {}), "shm": ("native", {"COMM_CMA": "0"}),
           "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {})}
@@ -100,7 +101,7 @@ def _many(world, count, block):
     return ok, counts
 
 
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", _params(slow=("ucx",)))
 def test_many_puts_in_flight(cluster, name):
     n = 3
     assert _cluster(cluster, name, n).run(_many, 200, 96) == [(True, [200] * n)] * n
@@ -161,7 +162,7 @@ def _sequences(draw, n=2, size=512):
     return ops
 
 
-@pytest.mark.parametrize("name", ["cma", "tcp"])
+@pytest.mark.parametrize("name", ["cma", "shm", *slow_params("tcp")])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_sequences())
 def test_random_sequences_against_a_model(cluster, name, ops):
@@ -312,9 +313,14 @@ def _put_to_dead_peer(world):
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_put_to_dead_peer_fails_within_the_timeout(name):
     transport, env = SETUPS[name]
-    out = run_ranks(_put_to_dead_peer, 2, transport=transport, env=dict(env, COMM_TIMEOUT="10"),
-                    timeout=60, expect_errors=True)
-    assert out[0] == ("PeerFailure", 1, True)
+    c = Cluster(2, transport, env=dict(env, COMM_TIMEOUT="10"))
+    try:
+        c.submit(_put_to_dead_peer)
+        out = c.collect([0], timeout=60)
+    finally:
+        c.close()
+    ok, value, _ = out[0]
+    assert ok and value == ("PeerFailure", 1, True), value
 
 
 def _closed_communicator(world):

@@ -106,14 +106,34 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
     else cv_.notify_all();
     return op;
   }
-  if (!driving_) {
-    drive(lock, op.get());
-  } else {
-    lock.unlock();
-    op->wait(-1);  // the driver completes it, or fails it by its deadline
-  }
+  finish_on_caller(lock, op);
   op->rethrow();
   return nullptr;
+}
+
+void P2P::wait(const std::shared_ptr<Op>& op) {
+  std::unique_lock<std::mutex> lock(mu_);
+  finish_on_caller(lock, op);
+  op->rethrow();
+}
+
+// A blocking caller drives until `op` is done, unless another caller drives already (then it
+// waits: that driver completes the op, or fails it by its deadline).
+void P2P::finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op) {
+  if (driving_ && thread_driving_ && !op->test()) {
+    // The p2p thread drives (a window keeps it listening): it hands over to this caller
+    // (no thread hop per message on the latency path).
+    handoffs_++;
+    wake();
+    cv_.wait(lock, [&] { return !driving_ || op->test(); });
+    handoffs_--;
+  }
+  if (!driving_ && !op->test()) {
+    drive(lock, op.get());
+  } else if (!op->test()) {
+    lock.unlock();
+    op->wait(-1);
+  }
 }
 
 void P2P::wake() {
@@ -135,7 +155,7 @@ void P2P::stop() {
 void P2P::thread_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_); });
+    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_ && !handoffs_); });
     if (stopping_) break;
     drive(lock, nullptr);
   }
@@ -144,8 +164,9 @@ void P2P::thread_loop() {
 // Drives until `until` is done (a blocking caller) or nothing is pending (the thread).
 void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
   driving_ = true;
+  thread_driving_ = !until;
   Backoff spins;
-  while (until ? !until->test() : pending_ > 0 || listening()) {
+  while (until ? !until->test() : (pending_ > 0 || listening()) && !handoffs_) {
     if (stopping_) {
       fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
       break;
@@ -161,7 +182,7 @@ void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
       fail_all(e);
     }
   }
-  driving_ = false;
+  driving_ = thread_driving_ = false;
   // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
   if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   cv_.notify_all();
@@ -371,7 +392,7 @@ void P2P::finish(Pending& p, std::optional<CommError> error) {
 
 void P2P::fail_all(const CommError& e) {
   c_.relay_failure(e);
-  if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
+  if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv or one-sided operation failed: " + e.msg);
   for (PeerState& ps : peers_) {
     if (ps.ch) {  // nothing in flight may still point at a buffer the user gets back now
       if (!ps.in.complete()) ps.ch->abandon(ps.in);
@@ -429,6 +450,12 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     }
     return false;
   };
+  if (pending_ == 0) {
+    // Only listening for one-sided traffic: sleep at once (a peer's bytes wake the poll or
+    // the futex). Spinning here would take the cores, and this lock, from the application.
+    spins.calls = std::max(spins.calls, 1 << 20);
+    spins.start = Clock::time_point{};
+  }
   const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
   lock.unlock();
   c_.idle(spins, ready, &fds, &none, shm_pending || fds.empty());  // sockets alone: poll() at once

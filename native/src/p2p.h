@@ -68,6 +68,8 @@ class P2P {
   // flush was answered (the target answers after everything before it in the stream landed).
   std::shared_ptr<Op> post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
                                   uint64_t len, int32_t signal);
+  // Waits for an op of post_window() as a blocking send does: this thread drives.
+  void wait(const std::shared_ptr<Op>& op);
   // The first failure of send / recv / one-sided traffic, thrown (nothing when none).
   void check_broken();
   void wake();  // abort: the driver notices at once instead of after its sleep slice
@@ -111,6 +113,7 @@ class P2P {
   };
 
   void drive(std::unique_lock<std::mutex>& lock, const Op* until);
+  void finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op);
   void thread_loop();
   bool pass();  // one non-blocking sweep over every peer; true if anything moved
   bool progress_sends(int peer);
@@ -143,6 +146,8 @@ class P2P {
   size_t pending_ = 0;  // ops posted and not finished
   size_t parked_bytes_ = 0;
   bool driving_ = false;
+  bool thread_driving_ = false;  // the driver is the p2p thread (not a blocking caller)
+  int handoffs_ = 0;             // blocking callers waiting for the p2p thread to hand over
   bool stopping_ = false;
   std::optional<CommError> broken_;
   std::thread thread_;

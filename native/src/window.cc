@@ -201,7 +201,8 @@ void Window::flush(int peer, double timeout_s) {
   }
   for (auto& [p, op] : answers) {
     try {
-      op->wait(timeout_s);
+      if (timeout_s < c_.opt.timeout_s) op->wait(timeout_s);  // a shorter bound than the ops' own
+      else p2p_.wait(op);  // this thread drives, as a blocking send does
     } catch (const CommError& e) {
       if (e.code == ErrorCode::TIMEOUT)
         fail(ErrorCode::TIMEOUT, p, "flush: " + who(p) + " did not answer within " + std::to_string(timeout_s) +
