@@ -49,9 +49,10 @@ class Window:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        else:  # a failed body: a collective close could hang on ranks that never get there
-            self._closed = True
+        elif not self._closed:  # a failed body: a collective close could hang on ranks that
+            self._closed = True  # never get there, so only this rank's side is let go
             self._held.clear()
+            self._tw.close()
 
     @property
     def signals(self) -> int:

@@ -192,10 +192,10 @@ def _torch_window(world):
             refused = "changed under it" in str(e)
         else:
             refused = False
-        w._closed = True   # its memory is gone: leave without the collective close
     return ok, refused
 
 
+@pytest.mark.slow   # importing torch in the ranks takes 5-10 s here
 def test_torch_tensors(cluster):
     pytest.importorskip("torch", reason="torch is not installed")
     assert _cluster(cluster, "cma").run(_torch_window) == [(True, True)] * 2
@@ -336,3 +336,35 @@ def _closed_communicator(world):
 
 def test_revoked_communicator_refuses_its_windows():
     assert run_ranks(_closed_communicator, 2, timeout=60) == [True, True]
+
+
+def _all_pairs(world):
+    """Every rank puts into every other's window, with a signal: peers outside the engine's
+    plan (not connected at set-up) are connected on first use."""
+    before = sorted(world._transport.connected_peers())
+    buf = np.zeros(8 * world.size, np.uint8)
+    with world.window(buf, signals=1) as w:
+        for p in range(world.size):
+            if p != world.rank:
+                w.put(p, np.full(8, world.rank + 1, np.uint8), 8 * world.rank, signal=0)
+        w.wait_signal(0, world.size - 1, timeout=30)
+        w.flush()
+        ok = all((buf[8 * r:8 * r + 8] == (r + 1 if r != world.rank else 0)).all() for r in range(world.size))
+    return ok, len(before)
+
+
+@pytest.mark.slow
+def test_window_peers_are_connected_on_first_use():
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(str(unavailable()))
+    placement = [0, 0, 0, 0, 1, 1, 1, 1]   # 2 hosts x 4: rank 1's plan is 0, 2, 3 and 5 only
+    with NetnsCluster(2) as hosts:
+        c = Cluster(len(placement), netns=[hosts.ns[h] for h in placement], timeout=120,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_CONNECT": "lazy"})
+        try:
+            out = c.run(_all_pairs, timeout=240)
+        finally:
+            c.close()
+    assert all(ok for ok, _ in out), out
+    assert min(k for _, k in out) < len(placement) - 1, f"every rank was connected to every peer at set-up: {out}"
