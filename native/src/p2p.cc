@@ -656,9 +656,11 @@ bool P2P::window_message(int peer) {
     }
     case kWinGetReply: {
       if (ps.win_gets.empty()) fail(ErrorCode::MISMATCH, peer, from + " answered a get this rank never sent");
+      const uint64_t want = ps.win_gets.front().op->args.recv_bytes;
+      if (!h.flags && h.len != want)  // (fail_all ends the get, still queued, with the rest)
+        fail(ErrorCode::MISMATCH, peer, from + " answered a get of " + std::to_string(want) + " bytes with " + std::to_string(h.len));
       Pending g = std::move(ps.win_gets.front());
       ps.win_gets.pop_front();
-      const uint64_t want = g.op->args.recv_bytes;
       if (h.flags) {
         ps.gets_refused |= h.flags;  // the next flush fails with it too
         finish(g, CommError(ErrorCode::INVALID_ARGUMENT, peer,
@@ -667,8 +669,6 @@ bool P2P::window_message(int peer) {
                                 (h.flags & kWinUnknown ? "no such window there (closed?)" : "outside its window")));
         return true;
       }
-      if (h.len != want)
-        fail(ErrorCode::MISMATCH, peer, from + " answered a get of " + std::to_string(want) + " bytes with " + std::to_string(h.len));
       if (h.len == 0) {
         finish(g);
         return true;
