@@ -36,49 +36,42 @@ def _pattern(rank, n, salt=0):
 # ---- edges: 0 bytes, the last byte, the whole window, signals -----------------------------------
 
 def _edges(world):
-    n, me = world.size, world.rank   # 2 ranks
+    """Rank r writes rank r+1's window (whole, last byte, 0 bytes at the end, a notification)
+    and reads every window back (whole, last byte, 0 bytes), its own included."""
+    n, me = world.size, world.rank
     size = 4096 + 8 * me   # sizes differ per rank
     buf = np.zeros(size, np.uint8)
-    model = {p: np.zeros(4096 + 8 * p, np.uint8) for p in range(n)}
+    written = {}
+    for p in range(n):   # what rank p's window holds at the end: its writer's pattern
+        written[p] = _pattern((p - 1) % n, 4096 + 8 * p, 1)
+        written[p][-1] = 200 + (p - 1) % n
     with world.window(buf, signals=4) as w:
         assert w.sizes == tuple(4096 + 8 * p for p in range(n))
         world.barrier()
-        for p in range(n):
-            if p == me:
-                continue
-            whole = _pattern(me, w.sizes[p], 1)
-            w.put(p, whole)                                       # the whole window
-            model[p][:] = whole
-            w.put(p, np.full(1, 200 + me, np.uint8), w.sizes[p] - 1)   # the last byte
-            model[p][-1] = 200 + me
-            w.put(p, np.zeros(0, np.uint8), w.sizes[p])          # 0 bytes at the very end
-            w.put(p, np.zeros(0, np.uint8), signal=3)             # a pure notification
+        p = (me + 1) % n
+        w.put(p, _pattern(me, w.sizes[p], 1))                        # the whole window
+        w.put(p, np.full(1, 200 + me, np.uint8), w.sizes[p] - 1)   # the last byte
+        w.put(p, np.zeros(0, np.uint8), w.sizes[p])                # 0 bytes at the very end
+        w.put(p, np.zeros(0, np.uint8), signal=3)                   # a pure notification
         w.flush()
-        w.wait_signal(3, n - 1, timeout=10)
-        assert w.signal(3) == n - 1 and w.signal(0) == 0
+        w.wait_signal(3, 1, timeout=10)
+        assert w.signal(3) == 1 and w.signal(0) == 0
         world.barrier()   # every rank's puts landed (flush), so every window is final
-        expect = _pattern(1 - me, size, 1)
-        expect[-1] = 200 + (1 - me)
-        assert np.array_equal(buf, expect)
-        # gets: whole, last byte, empty, from every peer including itself
+        assert np.array_equal(buf, written[me])
         for p in range(n):
             whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
             w.get(p, whole)
             w.get(p, last, w.sizes[p] - 1)
             w.get(p, empty, w.sizes[p])
             w.flush(p)
-            assert last[0] == whole[-1]
-            if p != me:
-                e = _pattern(me, w.sizes[p], 1)
-                e[-1] = 200 + me
-                assert np.array_equal(whole, e)
+            assert last[0] == whole[-1] and np.array_equal(whole, written[p])
         w.fence()
     return True
 
 
 @pytest.mark.parametrize("name", _params())
 def test_edges(cluster, name):
-    assert _cluster(cluster, name).run(_edges) == [True, True]
+    assert _cluster(cluster, name, 3).run(_edges) == [True] * 3
 
 
 # ---- many puts in flight, to one and to many peers; disjoint ranges from several origins -------
@@ -110,7 +103,29 @@ def test_many_puts_in_flight(cluster, name):
 @pytest.mark.parametrize("name", _params(slow=("ucx",)))
 def test_large_puts_and_gets(cluster, name):
     """Blocks past the p2p rings and the TCP socket buffers (several MiB each)."""
-    assert _cluster(cluster, name).run(_many, 3, (3 << 20) + 5) == [(True, [3, 3])] * 2
+    assert _cluster(cluster, name, 3).run(_many, 2, (2 << 20) + 5) == [(True, [2, 2, 2])] * 3
+
+
+def _target_sleeps(world):
+    """Rank 1 sleeps (no engine call at all) while rank 0 puts, signals, gets and flushes:
+    the target's engine does the work."""
+    buf = np.zeros(1 << 16, np.uint8)
+    with world.window(buf) as w:
+        world.barrier()
+        if world.rank == 1:
+            time.sleep(1.5)
+            return bool((buf == 7).all()), w.signal(0)
+        t0 = time.monotonic()
+        w.put(1, np.full(1 << 16, 7, np.uint8), signal=0)
+        back = np.zeros(1 << 16, np.uint8)
+        w.get(1, back)
+        w.flush()
+        return bool((back == 7).all()), time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_target_application_does_nothing(cluster, name):
+    assert _cluster(cluster, name).run(_target_sleeps) == [(True, True), (True, 1)]
 
 
 # ---- a random sequence of puts and gets against a model ----------------------------------------
