@@ -448,15 +448,17 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     }
     return false;
   };
-  if (pending_ == 0) {
-    // Only listening for one-sided traffic: sleep at once (a peer's bytes wake the poll or
-    // the futex). Spinning here would take the cores, and this lock, from the application.
+  const bool listening_only = pending_ == 0;
+  if (listening_only && spins.calls > 0 && Clock::now() - spins.start > kListenYield) {
+    // Only listening for one-sided traffic, and quiet for a while: sleep at once (a peer's
+    // bytes wake the poll or the futex). Spinning would take the cores, and this lock, from
+    // the application; yielding for a moment first catches the next message of a burst.
     spins.calls = std::max(spins.calls, 1 << 20);
     spins.start = Clock::time_point{};
   }
   const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
   lock.unlock();
-  c_.idle(spins, ready, &fds, &none, shm_pending || fds.empty());  // sockets alone: poll() at once
+  c_.idle(spins, ready, &fds, &none, !listening_only && (shm_pending || fds.empty()));  // sockets alone: poll() at once
   lock.lock();
   for (int p = 0; p < c_.size; p++) {
     const PeerState& ps = peers_[p];

@@ -45,6 +45,10 @@ enum WinKind : uint8_t { kWinPut = 0xE0, kWinGet, kWinGetReply, kWinFlush, kWinF
 inline bool is_window_kind(uint8_t k) { return k >= kWinPut && k <= kWinFlushAck; }
 constexpr uint8_t kWinUnknown = 1, kWinOutside = 2;
 
+// A driver with nothing posted (it only listens for one-sided traffic) yields this long after
+// the last byte moved, then sleeps until the next arrives.
+constexpr auto kListenYield = std::chrono::microseconds(200);
+
 // Unexpected (not yet received) message bytes kept in memory, all peers together.
 constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
