@@ -182,6 +182,8 @@ class Window:
             want = operator.index(value)
         except TypeError:
             raise self._error(op, f"value {value!r} must be an integer") from None
+        if not 0 <= want < 2**64:
+            raise self._error(op, f"value {value!r} must be in [0, 2**64)")
         t = self._comm.timeout if timeout is None else float(timeout)
         if t < 0:
             raise self._error(op, f"timeout {timeout!r} must not be negative")

@@ -240,6 +240,7 @@ def _refusals(world):
     refused(w.get, peer, np.zeros(1, np.uint8), 64)
     refused(w.get, peer, np.zeros(4, np.uint8)[::2])        # not contiguous
     refused(w.wait_signal, 5, 1)
+    refused(w.wait_signal, 0, -1)
     t0, timed_out = time.monotonic(), False
     try:
         w.wait_signal(0, 1, timeout=0.3)
@@ -258,7 +259,7 @@ def _refusals(world):
 
 @pytest.mark.parametrize("name", ["cma", "tcp"])
 def test_refusals(cluster, name):
-    ops = ["put"] * 5 + ["get", "get", "wait_signal"]
+    ops = ["put"] * 5 + ["get", "get", "wait_signal", "wait_signal"]
     assert _cluster(cluster, name).run(_refusals) == [(ops, True, True, True)] * 2
 
 
