@@ -10,6 +10,7 @@ namespace comm {
 
 namespace {
 std::string describe(const OpArgs& a) {
+  if (a.tag < 0) return "one-sided operation with rank " + std::to_string(a.peer);  // post_window
   const std::string who = a.peer < 0 ? "any rank" : "rank " + std::to_string(a.peer);
   return std::string(a.kind == OpKind::SEND ? "isend to " : "irecv from ") + who + " with tag " +
          std::to_string(a.tag);
@@ -103,14 +104,34 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
     else cv_.notify_all();
     return op;
   }
-  if (!driving_) {
-    drive(lock, op.get());
-  } else {
-    lock.unlock();
-    op->wait(-1);  // the driver completes it, or fails it by its deadline
-  }
+  finish_on_caller(lock, op);
   op->rethrow();
   return nullptr;
+}
+
+void P2P::wait(const std::shared_ptr<Op>& op) {
+  std::unique_lock<std::mutex> lock(mu_);
+  finish_on_caller(lock, op);
+  op->rethrow();
+}
+
+// A blocking caller drives until `op` is done, unless another caller drives already (then it
+// waits: that driver completes the op, or fails it by its deadline).
+void P2P::finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op) {
+  if (driving_ && thread_driving_ && !op->test()) {
+    // The p2p thread drives (a window keeps it listening): it hands over to this caller
+    // (no thread hop per message on the latency path).
+    handoffs_++;
+    wake();
+    cv_.wait(lock, [&] { return !driving_ || op->test(); });
+    handoffs_--;
+  }
+  if (!driving_ && !op->test()) {
+    drive(lock, op.get());
+  } else if (!op->test()) {
+    lock.unlock();
+    op->wait(-1);
+  }
 }
 
 void P2P::wake() {
@@ -132,7 +153,7 @@ void P2P::stop() {
 void P2P::thread_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || (pending_ > 0 && !driving_); });
+    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_ && !handoffs_); });
     if (stopping_) break;
     drive(lock, nullptr);
   }
@@ -141,8 +162,9 @@ void P2P::thread_loop() {
 // Drives until `until` is done (a blocking caller) or nothing is pending (the thread).
 void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
   driving_ = true;
+  thread_driving_ = !until;
   Backoff spins;
-  while (until ? !until->test() : pending_ > 0) {
+  while (until ? !until->test() : (pending_ > 0 || listening()) && !handoffs_) {
     if (stopping_) {
       fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
       break;
@@ -158,9 +180,9 @@ void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
       fail_all(e);
     }
   }
-  driving_ = false;
+  driving_ = thread_driving_ = false;
   // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
-  if (pending_ > 0 && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   cv_.notify_all();
 }
 
@@ -181,6 +203,8 @@ bool P2P::pass() {
     for (const Pending& p : ps.sends) check(p);
     check_queues(ps.recvs);
     if (ps.target) check(*ps.target);
+    for (const Pending& p : ps.win_gets) check(p);
+    for (const Pending& p : ps.win_flushes) check(p);
   }
   check_queues(any_recvs_);
   if (late)
@@ -218,14 +242,25 @@ bool P2P::progress_inbound(int peer) {
       moved |= ps.ch->progress(ps.in);
       if (!ps.in.header_complete()) return moved;
       const WireHeader& h = ps.in.got;
-      // Checked before any allocation or byte of payload: a corrupt length must not
-      // become a huge buffer or a write past a user's array.
-      if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype >= static_cast<uint8_t>(DType::COUNT) ||
-          h.tag < 0 || h.len > (uint64_t{1} << 56) ||
-          h.len != h.count * itemsize(static_cast<DType>(h.dtype)))
-        fail(ErrorCode::MISMATCH, peer, "corrupt send/recv header from rank " + std::to_string(peer));
-      ps.hdr = h;
-      ps.stage = Stage::UNDECIDED;
+      if (is_window_kind(h.kind)) {
+        if (h.len > (uint64_t{1} << 56)) fail(ErrorCode::MISMATCH, peer, "corrupt one-sided header from rank " + std::to_string(peer));
+        ps.hdr = h;
+        moved = true;
+        if (window_message(peer)) {
+          start_header(peer);
+          continue;
+        }
+        ps.stage = Stage::BODY;  // window_message() set up ps.in for the body
+      } else {
+        // Checked before any allocation or byte of payload: a corrupt length must not
+        // become a huge buffer or a write past a user's array.
+        if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype >= static_cast<uint8_t>(DType::COUNT) ||
+            h.tag < 0 || h.len > (uint64_t{1} << 56) ||
+            h.len != h.count * itemsize(static_cast<DType>(h.dtype)))
+          fail(ErrorCode::MISMATCH, peer, "corrupt send/recv header from rank " + std::to_string(peer));
+        ps.hdr = h;
+        ps.stage = Stage::UNDECIDED;
+      }
     }
     if (ps.stage == Stage::UNDECIDED) {
       const WireHeader& h = ps.hdr;
@@ -254,7 +289,9 @@ bool P2P::progress_inbound(int peer) {
     }
     if (!ps.in.complete()) moved |= ps.ch->progress(ps.in);
     if (!ps.in.complete()) return moved;
-    if (ps.target) {
+    if (ps.win_body) {
+      window_landed(peer);
+    } else if (ps.target) {
       finish(*ps.target);
       ps.target.reset();
     } else {
@@ -353,7 +390,7 @@ void P2P::finish(Pending& p, std::optional<CommError> error) {
 
 void P2P::fail_all(const CommError& e) {
   c_.relay_failure(e);
-  if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv failed: " + e.msg);
+  if (!broken_) broken_ = CommError(e.code, e.peer, "an earlier send/recv or one-sided operation failed: " + e.msg);
   for (PeerState& ps : peers_) {
     if (ps.ch) {  // nothing in flight may still point at a buffer the user gets back now
       if (!ps.in.complete()) ps.ch->abandon(ps.in);
@@ -363,6 +400,12 @@ void P2P::fail_all(const CommError& e) {
     for (auto& [tag, q] : ps.recvs)
       for (Pending& p : q) finish(p, e);
     if (ps.target) finish(*ps.target, e);
+    for (Pending& p : ps.win_gets) finish(p, e);
+    for (Pending& p : ps.win_flushes) finish(p, e);
+    ps.win_gets.clear();
+    ps.win_flushes.clear();
+    ps.win_put = nullptr;
+    ps.win_body = false;
     ps.sends.clear();
     ps.recvs.clear();
     ps.parked.clear();
@@ -405,9 +448,17 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     }
     return false;
   };
+  const bool listening_only = pending_ == 0;
+  if (listening_only && spins.calls > 0 && Clock::now() - spins.start > kListenYield) {
+    // Only listening for one-sided traffic, and quiet for a while: sleep at once (a peer's
+    // bytes wake the poll or the futex). Spinning would take the cores, and this lock, from
+    // the application; yielding for a moment first catches the next message of a burst.
+    spins.calls = std::max(spins.calls, 1 << 20);
+    spins.start = Clock::time_point{};
+  }
   const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
   lock.unlock();
-  c_.idle(spins, ready, &fds, &none, shm_pending || fds.empty());  // sockets alone: poll() at once
+  c_.idle(spins, ready, &fds, &none, !listening_only && (shm_pending || fds.empty()));  // sockets alone: poll() at once
   lock.lock();
   for (int p = 0; p < c_.size; p++) {
     const PeerState& ps = peers_[p];
@@ -419,13 +470,15 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
 
 // Work pending with this peer.
 bool P2P::busy(const PeerState& ps) const {
-  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty();
+  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty() ||
+         !ps.win_gets.empty() || !ps.win_flushes.empty();
 }
 
 // Pending work with this peer that its stream cannot move now.
 bool P2P::stuck(const PeerState& ps) const {
   Transfer probe;
-  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER;
+  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER ||
+                         !ps.win_gets.empty() || !ps.win_flushes.empty();
   if (receiving && !ps.ch->ready(probe)) return true;
   probe.is_send = true;
   return !ps.sends.empty() && !ps.ch->ready(probe);
