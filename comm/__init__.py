@@ -19,6 +19,7 @@ from .elastic import Membership
 from .errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
                      PeerFailure, Revoked, TransportUnavailable, from_os_error)
 from .types import DType, PremulSum, ReduceOp, premul_sum
+from .window import Window
 from .work import Work
 
 # What tells this library apart from Jupyter's package of the same import name (see
@@ -35,7 +36,7 @@ BOR = ReduceOp.BOR
 BXOR = ReduceOp.BXOR
 PREMUL_SUM = ReduceOp.PREMUL_SUM
 
-__all__ = ["init", "join", "torch_group", "Communicator", "Work", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
+__all__ = ["init", "join", "torch_group", "Communicator", "Work", "Window", "P2POp", "ReduceOp", "DType", "Buffer", "premul_sum", "PremulSum",
            "CommError", "InvalidArgument", "CommTimeout", "PeerFailure", "Aborted", "Closed",
            "Mismatch", "Revoked", "Excluded", "TransportUnavailable",
            "SUM", "PRODUCT", "MIN", "MAX", "AVG", "BAND", "BOR", "BXOR", "PREMUL_SUM"]

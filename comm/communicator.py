@@ -27,6 +27,7 @@ from .ops import DONE, LEAN_BUSY, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
 from .topology import Topology
 from .types import DType, PremulSum, ReduceOp, op_allowed
+from .window import MAX_SIGNALS, Window
 from .work import Work
 
 try:   # the engine's lean calls take this lock natively (threading.Lock's acquire is a Python call)
@@ -618,6 +619,34 @@ class Communicator:
         """Post many comm.P2POp (isend / irecv) at once; any order completes. Returns their Works."""
         from .p2p import batch_p2p
         return batch_p2p(self, ops)
+
+    # ---- one-sided -----------------------------------------------------------------------------
+    def window(self, buf, *, signals: int = 64) -> Window:
+        """Collective: expose buf (host memory; sizes may differ per rank, 0 bytes too) to every
+        rank for put / get, with `signals` counters on each rank (comm.window.Window)."""
+        name = "window"
+        mem = self._buf(buf, name, writable=True, what="window")
+        if mem.device != "cpu":
+            raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
+        try:
+            count = _integer(signals)
+        except TypeError:
+            count = -1
+        if not 0 <= count <= MAX_SIGNALS:
+            raise self._error(name, f"signals={signals!r} must be an integer in [0, {MAX_SIGNALS}]")
+        if self._failure is not None or self._closed:
+            self._refuse(name)
+        if not self._busy.acquire(False):
+            raise self._overlap(name)
+        try:
+            tw = self._transport.window(mem, count)
+        except CommError as e:
+            if isinstance(e, TransportUnavailable):
+                raise e.locate(self.rank, name) from None
+            raise self._failed_op(name, e) from None
+        finally:
+            self._busy.release()
+        return Window(self, tw, mem, count)
 
     # ---- groups and lifetime -----------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> "Communicator | None":

@@ -80,6 +80,12 @@ class Transport(abc.ABC):
             return e
         raise e
 
+    def window(self, mem, signals: int) -> "TransportWindow":
+        """Collective: expose `mem` (a comm.buffers.Buffer, host memory, possibly 0 bytes) to
+        every peer, with `signals` counters on this rank (comm.window). Every rank calls it."""
+        raise TransportUnavailable(f"transport {self.name!r} has no one-sided communication (windows); "
+                                   "use the native or ucx transport")
+
     def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "Transport | None":
         """A transport for the sub-group described by ctx (whose store is already scoped).
         Every rank of the parent calls it; ranks that join no group get ctx None (and return
@@ -118,6 +124,47 @@ class Transport(abc.ABC):
         """Called in a child forked from the owning process, which keeps using the transport:
         drop the child's copies of connections without anything the parent or its peers would
         notice (no goodbye, no shutdown, no unlink). The object is never used again here."""
+
+
+class TransportWindow(abc.ABC):
+    """A transport's side of a comm.window.Window. The Window checked every argument (peer a
+    rank, offset + bytes inside sizes[peer], signal an index below the window's count) and
+    holds the buffers until the flush that ends their operation; the transport trusts that,
+    but a target still checks what arrives from the wire (a hostile or buggy peer)."""
+
+    sizes: tuple[int, ...]   # every rank's window in bytes, in rank order
+
+    @abc.abstractmethod
+    def put(self, peer: int, src, offset: int, signal: int) -> None:
+        """Start copying src (a Buffer) into peer's window at `offset`; signal >= 0: then add
+        1 to the peer's counter `signal`, after this and every earlier put to peer landed."""
+
+    @abc.abstractmethod
+    def get(self, peer: int, dst, offset: int) -> None:
+        """Start reading dst.nbytes bytes of peer's window at `offset` into dst (a Buffer)."""
+
+    @abc.abstractmethod
+    def flush(self, peer: int) -> None:
+        """Wait (the communicator's timeout) until every put / get to peer (-1: every peer)
+        is complete at both ends; raises the CommError of any that failed, naming the peer."""
+
+    @abc.abstractmethod
+    def wait_signal(self, k: int, value: int, timeout_s: float) -> None:
+        """Block until this rank's counter k >= value: CommTimeout after timeout_s, PeerFailure
+        when a peer died, and signals (Ctrl-C) are served while waiting."""
+
+    @abc.abstractmethod
+    def signal(self, k: int) -> int:
+        """This rank's counter k."""
+
+    @abc.abstractmethod
+    def fence(self) -> None:
+        """Collective: every rank's puts / gets complete everywhere, then a barrier."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the window (after a fence on every rank; or on a failed communicator, where
+        it must not wait for any peer). Idempotent."""
 
 
 def poll_until(done, timeout: float | None, timed_out) -> None:

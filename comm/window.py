@@ -1,0 +1,229 @@
+"""One-sided communication: a window of memory every rank exposes, put / get into peers'
+windows, and signal counters (Communicator.window).
+
+    with world.window(pool) as w:          # collective: every rank exposes `pool`
+        w.put(peer, block, offset, signal=request_id % 64)
+        w.flush()                          # or let the target wait_signal(k, n)
+
+A transport's window (transports.base.TransportWindow) moves the bytes; this layer does all
+argument checking (peer, offset, size and signal index against `sizes` before anything
+moves), keeps every source and destination alive until the flush that completes it (the
+engine reads and writes them after put / get return, as MPI_Put does), refuses a window whose
+buffer was resized or freed under it (torch tensors), and refuses every call once the window
+or its communicator is closed, revoked or failed.
+"""
+from __future__ import annotations
+
+import operator
+
+from .buffers import Buffer, as_buffer
+from .errors import Closed, CommError, CommTimeout, InvalidArgument
+
+MAX_SIGNALS = 1 << 16   # signal counters per window: 8 bytes each on every rank
+
+
+class Window:
+    """A window of memory on every rank of a communicator. Create with Communicator.window().
+
+    put and get are non-blocking: their bytes move in the engine (the target's application
+    thread does nothing); a src must not change and a dst must not be read until flush()."""
+
+    def __init__(self, communicator, transport_window, mem: Buffer, signals: int) -> None:
+        self._comm = communicator
+        self._tw = transport_window
+        self._mem = mem
+        self._signals = signals
+        self.sizes: tuple[int, ...] = tuple(transport_window.sizes)
+        self.rank, self.size = communicator.rank, communicator.size
+        # peer -> buffers the engine may still read or write: let go at the flush that ends them
+        self._held: dict[int, list] = {}
+        self._closed = False
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<comm.Window{state} of {self.sizes[self.rank]} bytes on rank {self.rank} of {self.size}>"
+
+    def __enter__(self) -> "Window":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:  # a failed body: a collective close could hang on ranks that never get there
+            self._closed = True
+            self._held.clear()
+
+    @property
+    def signals(self) -> int:
+        """How many signal counters each rank has (indices 0 .. signals - 1)."""
+        return self._signals
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _error(self, op: str, cause: str) -> InvalidArgument:
+        return InvalidArgument(cause, rank=self.rank, op=op)
+
+    def _usable(self, op: str) -> None:
+        """Refuse a call on a closed window, a closed / revoked / failed communicator, or a
+        window whose memory moved under it."""
+        c = self._comm
+        if c._failure is not None or c._closed:
+            c._refuse(op)
+        if self._closed:
+            raise Closed("the window is closed", rank=self.rank, op=op)
+        obj = self._mem.obj
+        if self._mem.nbytes and type(obj).__module__.startswith("torch"):
+            # resize_ / set_ / a freed storage would leave peers writing into memory that is
+            # no longer the window (or no longer ours): refused, and the window closed
+            try:
+                ptr, nbytes = obj.data_ptr(), obj.untyped_storage().nbytes() - obj.storage_offset() * obj.element_size()
+            except RuntimeError:
+                ptr, nbytes = 0, 0
+            if ptr != self._mem.ptr or nbytes < self._mem.nbytes:
+                raise self._error(op, f"the window's tensor changed under it (data at {ptr:#x}, {nbytes} "
+                                      f"bytes; the window is {self._mem.nbytes} bytes at {self._mem.ptr:#x}): "
+                                      "resized or freed; a window's memory must live, unchanged, until close()")
+
+    def _peer(self, op: str, peer) -> int:
+        try:
+            p = operator.index(peer)
+        except TypeError:
+            p = None
+        if p is None or isinstance(peer, bool) or not 0 <= p < self.size:
+            raise self._error(op, f"peer {peer!r} is out of range for a group of {self.size}")
+        return p
+
+    def _range(self, op: str, peer: int, offset, nbytes: int) -> int:
+        try:
+            off = operator.index(offset)
+        except TypeError:
+            raise self._error(op, f"offset {offset!r} must be an integer") from None
+        size = self.sizes[peer]
+        if off < 0 or off + nbytes > size:
+            raise self._error(op, f"{nbytes} bytes at offset {off} do not fit rank {peer}'s window of "
+                                  f"{size} bytes")
+        return off
+
+    def _signal_index(self, op: str, k) -> int:
+        try:
+            i = operator.index(k)
+        except TypeError:
+            i = None
+        if i is None or isinstance(k, bool) or not 0 <= i < self._signals:
+            raise self._error(op, f"signal {k!r} is out of range: the window has {self._signals} signals "
+                                  f"(0 .. {self._signals - 1})")
+        return i
+
+    def _buffer(self, op: str, x, writable: bool, what: str) -> Buffer:
+        try:
+            buf = as_buffer(x, op=op, writable=writable)
+        except InvalidArgument as e:
+            raise self._error(op, f"{what}: {e.cause}") from None
+        if buf.device != "cpu":
+            raise self._error(op, f"{what} is on {buf.device}; windows move host memory (copy it to the CPU)")
+        return buf
+
+    def _failed(self, op: str, e: CommError) -> CommError:
+        """A transport failure: the communicator is poisoned as for any other operation."""
+        return self._comm._failed_op(op, e)
+
+    # ---- one-sided operations ----------------------------------------------------------------
+    def put(self, peer: int, src, offset: int = 0, *, signal: int | None = None) -> None:
+        """Copy src's bytes into `peer`'s window at byte `offset` (non-blocking: src must not
+        change until flush). signal=k: once these bytes and everything this rank put to
+        `peer` before them have landed, the peer's counter k goes up by 1."""
+        op = "put"
+        self._usable(op)
+        p = self._peer(op, peer)
+        buf = self._buffer(op, src, False, "src")
+        off = self._range(op, p, offset, buf.nbytes)
+        k = -1 if signal is None else self._signal_index(op, signal)
+        self._held.setdefault(p, []).append(buf)
+        try:
+            self._tw.put(p, buf, off, k)
+        except CommError as e:
+            raise self._failed(op, e) from None
+
+    def get(self, peer: int, dst, offset: int = 0) -> None:
+        """Read len(dst) bytes of `peer`'s window from byte `offset` into dst (non-blocking:
+        dst holds them after flush)."""
+        op = "get"
+        self._usable(op)
+        p = self._peer(op, peer)
+        buf = self._buffer(op, dst, True, "dst")
+        off = self._range(op, p, offset, buf.nbytes)
+        self._held.setdefault(p, []).append(buf)
+        try:
+            self._tw.get(p, buf, off)
+        except CommError as e:
+            raise self._failed(op, e) from None
+
+    def flush(self, peer: int | None = None) -> None:
+        """Every put / get this rank issued (to `peer`, or to all) is complete at both ends."""
+        op = "flush"
+        self._usable(op)
+        p = -1 if peer is None else self._peer(op, peer)
+        try:
+            self._tw.flush(p)
+        except CommError as e:
+            raise self._failed(op, e) from None
+        if p < 0:
+            self._held.clear()
+        else:
+            self._held.pop(p, None)
+
+    def wait_signal(self, k: int, value: int, *, timeout: float | None = None) -> None:
+        """Block until this rank's counter k is at least `value` (Timeout after `timeout`
+        seconds, default the communicator's; a dead peer fails it; Ctrl-C works)."""
+        op = "wait_signal"
+        self._usable(op)
+        i = self._signal_index(op, k)
+        try:
+            want = operator.index(value)
+        except TypeError:
+            raise self._error(op, f"value {value!r} must be an integer") from None
+        t = self._comm.timeout if timeout is None else float(timeout)
+        if t < 0:
+            raise self._error(op, f"timeout {timeout!r} must not be negative")
+        try:
+            self._tw.wait_signal(i, want, t)
+        except CommError as e:
+            # a timeout of this wait is the caller's to handle: the communicator stays usable
+            if isinstance(e, CommTimeout):
+                raise e.locate(self.rank, op) from None
+            raise self._failed(op, e) from None
+
+    def signal(self, k: int) -> int:
+        """This rank's counter k now."""
+        op = "signal"
+        self._usable(op)
+        return self._tw.signal(self._signal_index(op, k))
+
+    def fence(self) -> None:
+        """Collective: every rank's puts and gets are complete everywhere, then a barrier."""
+        op = "fence"
+        self._usable(op)
+        try:
+            self._tw.fence()
+        except CommError as e:
+            raise self._failed(op, e) from None
+        self._held.clear()
+
+    def close(self) -> None:
+        """Collective: fence, then the window is gone (later calls raise Closed). Idempotent."""
+        if self._closed:
+            return
+        op = "window.close"
+        c = self._comm
+        if c._failure is not None or c._closed:  # nothing can reach it any more: just let go
+            self._closed = True
+            self._held.clear()
+            self._tw.close()
+            return
+        try:
+            self._tw.fence()
+        except CommError as e:
+            raise self._failed(op, e) from None
+        finally:
+            self._closed = True
+            self._held.clear()
+            self._tw.close()
