@@ -9,7 +9,7 @@ is set up once and every put / get after that is one MPI call:
     get         MPI_Get (valid after the next flush)
     flush       MPI_Win_flush(peer) / MPI_Win_flush_all
     fence       flush_all, then a barrier (bounded by the communicator's timeout)
-    close       flush_all, barrier, MPI_Win_unlock_all, MPI_Win_free
+    close       (after comm.Window's fence) MPI_Win_unlock_all, MPI_Win_free
 
 Signals are emulated: MPI has no put-with-signal (MPI 4.1 neither), and an MPI_Put followed by
 an MPI_Accumulate is not ordered at the target. So put(..., signal=k) is MPI_Put, then
@@ -133,12 +133,13 @@ class MPIWindow(TransportWindow):
             f"window fence: not every rank reached it within {timeout:g} s"))
 
     def close(self) -> None:
-        if self._win is None:
+        # comm.Window fenced first on a healthy communicator. MPI_Win_free is collective: on an
+        # aborted or failed one the peers may never come, so the MPI windows are left behind
+        # (their memory stays pinned by MPI until the process ends) rather than hang here.
+        if self._t._aborted or self._t.comm == self._mpi.COMM_NULL:
+            self._win = self._sig = None
             return
-        try:
-            self.fence()
-        finally:
-            self._free()
+        self._free()
 
     def _free(self) -> None:
         for w in (self._win, self._sig):
