@@ -1,0 +1,184 @@
+"""The one-sided benchmarks' operations (bench/benchmarks/onesided.py), one mixin per library.
+
+Every rank works on a ring: it puts into (or gets from) the window of `peer` (its right
+neighbour) while its left neighbour does the same to it. Each timed operation is complete at
+both ends when it returns, so the libraries compare like for like:
+
+    put_flush(h, src, peer, offset)        put, then flush(peer)
+    get_flush(h, dst, peer, offset)        get, then flush(peer)
+    signal_hop(h, src, peer, offset, lead) a token around the ring: put with a signal, and wait
+                                           until this rank's counter moves (the target sees it)
+    kv_put(h, blocks, peer, offsets)       put every block to its slot of the peer's pool, the
+                                           last with a signal; wait for the left neighbour's
+
+    CommWindows   this library: comm.Window (put / get / flush / put(signal=) / wait_signal)
+    MpiWindows    MPI RMA through mpi4py: MPI_Win_create + lock_all, MPI_Put / MPI_Get +
+                  MPI_Win_flush; a signal is MPI_Accumulate on a counter window after a flush
+                  (MPI has no put-with-signal), seen by polling MPI_Fetch_and_op(NO_OP)
+    P2PWindows    this library's two-sided send / recv doing the same transfers (the receiver
+                  posts a receive for every block): what a window saves
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Handle:
+    """One window of one runner: the library's object(s), the local memory, the counter this
+    rank expects next."""
+
+    mem: np.ndarray
+    win: object = None
+    sig: object = None
+    expect: int = 0
+    scratch: dict = field(default_factory=dict)
+
+
+def left_of(rank: int, peer: int, size: int) -> int:
+    """The rank whose target this rank is when every rank targets rank + (peer - rank)."""
+    return (2 * rank - peer) % size
+
+
+class CommWindows:
+    def open_window(self, mem: np.ndarray) -> Handle:
+        return Handle(mem, self.world.window(mem, signals=1))
+
+    def close_window(self, h: Handle) -> None:
+        h.win.close()
+
+    def window_fence(self, h: Handle) -> None:
+        h.win.fence()
+
+    def put_flush(self, h, src, peer, offset):
+        h.win.put(peer, src, offset)
+        h.win.flush(peer)
+
+    def get_flush(self, h, dst, peer, offset):
+        h.win.get(peer, dst, offset)
+        h.win.flush(peer)
+
+    def signal_hop(self, h, src, peer, offset, lead):
+        h.expect += 1
+        if lead:
+            h.win.put(peer, src, offset, signal=0)
+            h.win.wait_signal(0, h.expect)
+        else:
+            h.win.wait_signal(0, h.expect)
+            h.win.put(peer, src, offset, signal=0)
+        h.win.flush(peer)   # lets the window drop src (nothing is in flight by now)
+
+    def kv_put(self, h, blocks, peer, offsets):
+        w = h.win
+        last = len(blocks) - 1
+        for i, (b, off) in enumerate(zip(blocks, offsets)):
+            w.put(peer, b, off, signal=0 if i == last else None)
+        h.expect += 1
+        w.wait_signal(0, h.expect)
+        w.flush(peer)
+
+
+class MpiWindows:
+    def open_window(self, mem: np.ndarray) -> Handle:
+        MPI = self.MPI
+        counters = np.zeros(1, np.int64)
+        h = Handle(mem, MPI.Win.Create(mem, 1, comm=self.c), MPI.Win.Create(counters, 8, comm=self.c))
+        h.scratch.update(counters=counters, one=[np.ones(1, np.int64), MPI.INT64_T],
+                         read=np.zeros(1, np.int64))
+        h.scratch["read_msg"] = [h.scratch["read"], MPI.INT64_T]
+        h.win.Lock_all()
+        h.sig.Lock_all()
+        return h
+
+    def close_window(self, h: Handle) -> None:
+        for w in (h.win, h.sig):
+            w.Unlock_all()
+            w.Free()
+
+    def window_fence(self, h: Handle) -> None:
+        h.win.Flush_all()
+        self.c.Barrier()
+        h.win.Sync()
+
+    def put_flush(self, h, src, peer, offset):
+        h.win.Put(src, peer, offset)
+        h.win.Flush(peer)
+
+    def get_flush(self, h, dst, peer, offset):
+        h.win.Get(dst, peer, offset)
+        h.win.Flush(peer)
+
+    def _signal(self, h, peer):
+        h.win.Flush(peer)     # the data first: MPI does not order the accumulate after the put
+        h.sig.Accumulate(h.scratch["one"], peer, 0, self.MPI.SUM)
+        h.sig.Flush(peer)
+
+    def _wait(self, h):
+        h.expect += 1
+        me, read = self.rank, h.scratch["read"]
+        while True:
+            h.sig.Fetch_and_op(h.scratch["one"], h.scratch["read_msg"], me, 0, self.MPI.NO_OP)
+            h.sig.Flush(me)
+            if read[0] >= h.expect:
+                return
+
+    def signal_hop(self, h, src, peer, offset, lead):
+        if lead:
+            h.win.Put(src, peer, offset)
+            self._signal(h, peer)
+            self._wait(h)
+        else:
+            self._wait(h)
+            h.win.Put(src, peer, offset)
+            self._signal(h, peer)
+
+    def kv_put(self, h, blocks, peer, offsets):
+        for b, off in zip(blocks, offsets):
+            h.win.Put(b, peer, off)
+        self._signal(h, peer)
+        self._wait(h)
+
+
+class P2PWindows:
+    """The window is plain local memory; each transfer is a send matched by a receive."""
+
+    def open_window(self, mem: np.ndarray) -> Handle:
+        return Handle(mem)
+
+    def close_window(self, h: Handle) -> None:
+        pass
+
+    def window_fence(self, h: Handle) -> None:
+        self.world.barrier()
+
+    def put_flush(self, h, src, peer, offset):
+        left = left_of(self.rank, peer, self.size)
+        r = self.world.irecv(h.mem[offset:offset + src.nbytes], left)
+        self.world.send(src, peer)
+        r.wait()
+
+    def get_flush(self, h, dst, peer, offset):
+        left = left_of(self.rank, peer, self.size)
+        r = self.world.irecv(dst, peer)
+        self.world.send(h.mem[offset:offset + dst.nbytes], left)
+        r.wait()
+
+    def signal_hop(self, h, src, peer, offset, lead):
+        left = left_of(self.rank, peer, self.size)
+        into = h.mem[offset:offset + src.nbytes]
+        if lead:
+            self.world.send(src, peer)
+            self.world.recv(into, left)
+        else:
+            self.world.recv(into, left)
+            self.world.send(src, peer)
+
+    def kv_put(self, h, blocks, peer, offsets):
+        left = left_of(self.rank, peer, self.size)
+        recvs = [self.world.irecv(h.mem[off:off + b.nbytes], left, tag=i)
+                 for i, (b, off) in enumerate(zip(blocks, offsets))]
+        sends = [self.world.isend(b, peer, tag=i) for i, b in enumerate(blocks)]
+        for w in recvs + sends:
+            w.wait()
