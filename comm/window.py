@@ -202,11 +202,20 @@ class Window:
         """Collective: every rank's puts and gets are complete everywhere, then a barrier."""
         op = "fence"
         self._usable(op)
+        self._collective(op)
+        self._held.clear()
+
+    def _collective(self, op: str) -> None:
+        """The transport's fence, as one collective of the communicator (one at a time)."""
+        c = self._comm
+        if not c._busy.acquire(False):
+            raise c._overlap(op)
         try:
             self._tw.fence()
         except CommError as e:
             raise self._failed(op, e) from None
-        self._held.clear()
+        finally:
+            c._busy.release()
 
     def close(self) -> None:
         """Collective: fence, then the window is gone (later calls raise Closed). Idempotent."""
@@ -220,9 +229,7 @@ class Window:
             self._tw.close()
             return
         try:
-            self._tw.fence()
-        except CommError as e:
-            raise self._failed(op, e) from None
+            self._collective(op)
         finally:
             self._closed = True
             self._held.clear()

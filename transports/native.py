@@ -36,7 +36,7 @@ from comm.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
 from comm.types import DType, ReduceOp, op_allowed
 from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
-                             Transport, register)
+                             Transport, TransportWindow, register)
 from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Links, dial,
                               readable, reserve_descriptors, roles, wake)
 
@@ -124,6 +124,62 @@ class NativePrepared:
         return DONE if work is None else NativeRequest(work, self._transport.rank, desc.kind.label, None)
 
 
+class NativeWindow(TransportWindow):
+    """The engine's window (native/src/window.h): same-host peers with CMA are written and
+    read by the origin itself, every other peer through its p2p stream, where the target's
+    engine writes the bytes in. Set-up publishes each rank's (address, size, id, pid, signal
+    segment) through the store."""
+
+    def __init__(self, transport: "NativeTransport", mem, signals: int) -> None:
+        self._transport, self._rank = transport, transport.rank
+        self._timeout = float(transport._ctx.timeout)
+        try:
+            self._w = _native.window(transport._engine, mem.ptr, mem.nbytes, signals)
+        except _native.NativeError as e:
+            raise _convert(e, self._rank, "window") from None
+        transport._windows += 1
+        me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals]
+        infos = [json.loads(v) for v in transport._ctx.store.all_gather(
+            f"native/window{transport._windows}", json.dumps(me).encode())]
+        counts = {i[5] for i in infos}
+        if len(counts) > 1:
+            self._w.close()
+            raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
+                                  "must pass the same signals=", rank=self._rank, op="window")
+        self._call("window", self._w.connect, [tuple(i[:5]) for i in infos])
+        self.sizes = tuple(i[1] for i in infos)
+
+    def _call(self, op: str, fn, *args):
+        try:
+            return fn(*args)
+        except _native.NativeError as e:
+            raise _convert(e, self._rank, op) from None
+
+    def put(self, peer: int, src, offset: int, signal: int) -> None:
+        self._call("put", self._w.put, peer, src.ptr, src.nbytes, offset, signal)
+
+    def get(self, peer: int, dst, offset: int) -> None:
+        self._call("get", self._w.get, peer, dst.ptr, dst.nbytes, offset)
+
+    def flush(self, peer: int) -> None:
+        self._call("flush", self._w.flush, peer, self._timeout)
+
+    def wait_signal(self, k: int, value: int, timeout_s: float) -> None:
+        self._call("wait_signal", self._w.wait_signal, k, value, timeout_s)
+
+    def signal(self, k: int) -> int:
+        return self._call("signal", self._w.signal, k)
+
+    def fence(self) -> None:
+        self.flush(-1)
+        req = self._transport.post(OpDesc(OpKind.BARRIER), True)
+        if req is not DONE:
+            req.wait(self._timeout)
+
+    def close(self) -> None:
+        self._w.close()
+
+
 class NativeTransport(Transport):
     name = "native"
     kinds = frozenset(OpKind)
@@ -153,6 +209,7 @@ class NativeTransport(Transport):
         self.rank, self.size = ctx.rank, ctx.size
         self._ctx = ctx
         self._links: Links | None = None  # COMM_CONNECT=lazy: connections on first use
+        self._windows = 0  # windows made so far: names each one's exchange alike on every rank
         self._debug = log.enabled()
         try:
             self._engine = self._bootstrap(ctx)
@@ -245,7 +302,7 @@ class NativeTransport(Transport):
         where = [json.loads(v) for v in store.all_gather("native/shm", json.dumps([os.getpid(), fd]).encode())]
         for r in local:
             engine.shm_attach(r, *where[r])
-        cma = bool(local) and engine.cma_probe()
+        cma = bool(local) and config.get("COMM_CMA") and engine.cma_probe()
         votes = store.all_gather("native/cma", b"1" if cma else b"0")
         if local:
             engine.set_cma(all(votes[r] == b"1" for r in local))
@@ -384,6 +441,9 @@ class NativeTransport(Transport):
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         return NativePrepared(prepared, self)
+
+    def window(self, mem, signals: int) -> NativeWindow:
+        return NativeWindow(self, mem, signals)
 
     def error(self, e: Exception) -> CommError:
         if isinstance(e, _native.NativeError):

@@ -148,6 +148,20 @@ std::shared_ptr<Op> Engine::post(OpArgs args, bool blocking) {
   return op;
 }
 
+std::shared_ptr<Window> Engine::window(uintptr_t base, uint64_t size, uint32_t signals) {
+  uint32_t id;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+    if (!p2p_) fail(ErrorCode::INVALID_ARGUMENT, -1, "the engine is not started");
+    id = ++windows_;
+  }
+  auto reach = [this](int peer) {  // a window's peer connected on first use, as a send's
+    if (comm_.connector && !forked_.load(std::memory_order_relaxed) && !comm_.peers[peer].coll) comm_.reach(peer);
+  };
+  return std::make_shared<Window>(comm_, *p2p_, reach, id, base, size, signals);
+}
+
 void Engine::repost(const std::shared_ptr<Op>& op) {
   std::unique_lock<std::mutex> lock = admit(op->args);
   op->rearm();

@@ -22,6 +22,7 @@
 #include "comm.h"
 #include "op.h"
 #include "p2p.h"
+#include "window.h"
 
 namespace comm {
 
@@ -64,6 +65,9 @@ class Engine {
   // every_peer: each one must be connected by now (a full mesh); else peers come on demand.
   void start(bool every_peer = true);
 
+  // One-sided (window.h): this rank's window over [base, base + size) with `signals`
+  // counters; Window::connect then hands it every rank's. After start().
+  std::shared_ptr<Window> window(uintptr_t base, uint64_t size, uint32_t signals);
   // Returns null when the op ran to completion on this thread (errors are thrown).
   std::shared_ptr<Op> post(OpArgs args, bool blocking);
   // A collective posted again without waiting (a persistent one's next start): `op` is done
@@ -156,6 +160,7 @@ class Engine {
   mutable std::mutex recent_mu_;  // held briefly: the recorder is read when an op failed
   std::array<RecentOp, kRecent> recent_{};
   uint64_t recorded_ = 0;
+  uint32_t windows_ = 0;  // ids handed out (mu_): a closed window's id is never reused
 };
 
 }  // namespace comm

@@ -1,5 +1,7 @@
 #include "p2p.h"
 
+#include "window.h"
+
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -10,6 +12,7 @@ namespace comm {
 
 namespace {
 std::string describe(const OpArgs& a) {
+  if (a.tag < 0) return "one-sided operation with rank " + std::to_string(a.peer);  // post_window
   const std::string who = a.peer < 0 ? "any rank" : "rank " + std::to_string(a.peer);
   return std::string(a.kind == OpKind::SEND ? "isend to " : "irecv from ") + who + " with tag " +
          std::to_string(a.tag);
@@ -132,7 +135,7 @@ void P2P::stop() {
 void P2P::thread_loop() {
   std::unique_lock<std::mutex> lock(mu_);
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || (pending_ > 0 && !driving_); });
+    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_); });
     if (stopping_) break;
     drive(lock, nullptr);
   }
@@ -142,7 +145,7 @@ void P2P::thread_loop() {
 void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
   driving_ = true;
   Backoff spins;
-  while (until ? !until->test() : pending_ > 0) {
+  while (until ? !until->test() : pending_ > 0 || listening()) {
     if (stopping_) {
       fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
       break;
@@ -160,7 +163,7 @@ void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
   }
   driving_ = false;
   // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
-  if (pending_ > 0 && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   cv_.notify_all();
 }
 
@@ -181,6 +184,8 @@ bool P2P::pass() {
     for (const Pending& p : ps.sends) check(p);
     check_queues(ps.recvs);
     if (ps.target) check(*ps.target);
+    for (const Pending& p : ps.win_gets) check(p);
+    for (const Pending& p : ps.win_flushes) check(p);
   }
   check_queues(any_recvs_);
   if (late)
@@ -218,14 +223,25 @@ bool P2P::progress_inbound(int peer) {
       moved |= ps.ch->progress(ps.in);
       if (!ps.in.header_complete()) return moved;
       const WireHeader& h = ps.in.got;
-      // Checked before any allocation or byte of payload: a corrupt length must not
-      // become a huge buffer or a write past a user's array.
-      if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype >= static_cast<uint8_t>(DType::COUNT) ||
-          h.tag < 0 || h.len > (uint64_t{1} << 56) ||
-          h.len != h.count * itemsize(static_cast<DType>(h.dtype)))
-        fail(ErrorCode::MISMATCH, peer, "corrupt send/recv header from rank " + std::to_string(peer));
-      ps.hdr = h;
-      ps.stage = Stage::UNDECIDED;
+      if (is_window_kind(h.kind)) {
+        if (h.len > (uint64_t{1} << 56)) fail(ErrorCode::MISMATCH, peer, "corrupt one-sided header from rank " + std::to_string(peer));
+        ps.hdr = h;
+        moved = true;
+        if (window_message(peer)) {
+          start_header(peer);
+          continue;
+        }
+        ps.stage = Stage::BODY;  // window_message() set up ps.in for the body
+      } else {
+        // Checked before any allocation or byte of payload: a corrupt length must not
+        // become a huge buffer or a write past a user's array.
+        if (h.kind != static_cast<uint8_t>(OpKind::SEND) || h.dtype >= static_cast<uint8_t>(DType::COUNT) ||
+            h.tag < 0 || h.len > (uint64_t{1} << 56) ||
+            h.len != h.count * itemsize(static_cast<DType>(h.dtype)))
+          fail(ErrorCode::MISMATCH, peer, "corrupt send/recv header from rank " + std::to_string(peer));
+        ps.hdr = h;
+        ps.stage = Stage::UNDECIDED;
+      }
     }
     if (ps.stage == Stage::UNDECIDED) {
       const WireHeader& h = ps.hdr;
@@ -254,7 +270,9 @@ bool P2P::progress_inbound(int peer) {
     }
     if (!ps.in.complete()) moved |= ps.ch->progress(ps.in);
     if (!ps.in.complete()) return moved;
-    if (ps.target) {
+    if (ps.win_body) {
+      window_landed(peer);
+    } else if (ps.target) {
       finish(*ps.target);
       ps.target.reset();
     } else {
@@ -363,6 +381,12 @@ void P2P::fail_all(const CommError& e) {
     for (auto& [tag, q] : ps.recvs)
       for (Pending& p : q) finish(p, e);
     if (ps.target) finish(*ps.target, e);
+    for (Pending& p : ps.win_gets) finish(p, e);
+    for (Pending& p : ps.win_flushes) finish(p, e);
+    ps.win_gets.clear();
+    ps.win_flushes.clear();
+    ps.win_put = nullptr;
+    ps.win_body = false;
     ps.sends.clear();
     ps.recvs.clear();
     ps.parked.clear();
@@ -419,16 +443,237 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
 
 // Work pending with this peer.
 bool P2P::busy(const PeerState& ps) const {
-  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty();
+  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty() ||
+         !ps.win_gets.empty() || !ps.win_flushes.empty();
 }
 
 // Pending work with this peer that its stream cannot move now.
 bool P2P::stuck(const PeerState& ps) const {
   Transfer probe;
-  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER;
+  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER ||
+                         !ps.win_gets.empty() || !ps.win_flushes.empty();
   if (receiving && !ps.ch->ready(probe)) return true;
   probe.is_send = true;
   return !ps.sends.empty() && !ps.ch->ready(probe);
+}
+
+// ---- one-sided (window.h) ---------------------------------------------------------------------
+
+void P2P::check_broken() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (broken_) throw *broken_;
+}
+
+void P2P::add_window(uint32_t id, WindowMemory* w) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+    if (broken_) throw *broken_;
+    windows_[id] = w;
+    if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  }
+  cv_.notify_all();
+  wake();
+}
+
+void P2P::remove_window(uint32_t id) {
+  std::lock_guard<std::mutex> lock(mu_);  // the driver holds it while it moves bytes
+  auto it = windows_.find(id);
+  if (it == windows_.end()) return;
+  for (PeerState& ps : peers_) {
+    // A body still arriving for it (only a peer that broke the collective close sends one):
+    // the rest of it is read into scratch memory, never into the window.
+    if (ps.win_body && ps.win_put == it->second && !ps.in.complete()) {
+      ps.discard.resize(ps.in.len);
+      ps.in.buf = ps.discard.data();
+      ps.win_put = nullptr;
+    }
+  }
+  windows_.erase(it);
+}
+
+std::shared_ptr<Op> P2P::post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
+                                     uint64_t len, int32_t signal) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (broken_) throw *broken_;
+  if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+  PeerState& ps = peers_[peer];
+  if (!ps.ch && c_.peers[peer].p2p) {
+    ps.ch = c_.peers[peer].p2p.get();
+    start_header(peer);
+  }
+  if (!ps.ch) fail(ErrorCode::SYSTEM, peer, "internal error: no connection to rank " + std::to_string(peer));
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                           std::chrono::duration<double>(c_.opt.timeout_s));
+  auto make = [&](uintptr_t send, uint64_t send_bytes, uintptr_t recv, uint64_t recv_bytes) {
+    Pending p;
+    p.op = std::make_shared<Op>(OpArgs{OpKind::SEND, DType::U8, ReduceOp::SUM, 1.0, send, send_bytes, recv,
+                                       recv_bytes, 0, 0, peer, -1, {}, {}});
+    p.deadline = deadline;
+    pending_++;
+    return p;
+  };
+  // The message: a put carries its bytes; a get and a flush only a header.
+  Pending msg = make(kind == kWinPut ? reinterpret_cast<uintptr_t>(buf) : 0, kind == kWinPut ? len : 0, 0, 0);
+  Transfer& t = msg.t;
+  t.is_send = true;
+  t.ch = ps.ch;
+  t.buf = kind == kWinPut ? buf : nullptr;
+  t.len = kind == kWinPut ? len : 0;
+  t.hdr.kind = kind;
+  t.hdr.root = static_cast<int32_t>(id);
+  t.hdr.seq = offset;
+  t.hdr.tag = signal;
+  t.hdr.len = t.len;
+  t.hdr.count = kind == kWinGet ? len : 0;
+  std::shared_ptr<Op> op = msg.op;
+  if (kind == kWinGet) {
+    ps.win_gets.push_back(make(0, 0, reinterpret_cast<uintptr_t>(buf), len));
+    op = ps.win_gets.back().op;
+  } else if (kind == kWinFlush) {
+    ps.win_flushes.push_back(make(0, 0, 0, 0));
+    op = ps.win_flushes.back().op;
+  }
+  ps.sends.push_back(std::move(msg));
+  if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  if (driving_) wake();
+  else cv_.notify_all();
+  return op;
+}
+
+// A reply of the target (get data, a flush's answer), sent from the driver in stream order.
+void P2P::queue_reply(int peer, const WireHeader& h, char* buf, uint64_t len) {
+  PeerState& ps = peers_[peer];
+  Pending p;
+  p.op = std::make_shared<Op>(OpArgs{OpKind::SEND, DType::U8, ReduceOp::SUM, 1.0,
+                                     reinterpret_cast<uintptr_t>(buf), len, 0, 0, 0, 0, peer, -1, {}, {}});
+  p.deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                  std::chrono::duration<double>(c_.opt.timeout_s));
+  p.t.is_send = true;
+  p.t.ch = ps.ch;
+  p.t.buf = buf;
+  p.t.len = len;
+  p.t.hdr = h;
+  p.t.hdr.len = len;
+  pending_++;
+  ps.sends.push_back(std::move(p));
+}
+
+// A one-sided header from `peer` (in ps.hdr). Returns true when it is handled whole; false
+// when a body follows, for which ps.in is set up (into the window, a get's destination, or
+// scratch memory for a refused put).
+bool P2P::window_message(int peer) {
+  PeerState& ps = peers_[peer];
+  const WireHeader& h = ps.hdr;
+  const std::string from = "rank " + std::to_string(peer);
+  auto body_into = [&](char* buf) {
+    Transfer body;
+    body.ch = ps.ch;
+    body.with_header = false;
+    body.len = h.len;
+    body.buf = buf;
+    ps.in = body;
+  };
+  auto window = [&](uint64_t len, uint8_t* why) -> WindowMemory* {
+    // Everything the peer says is checked here: it may be buggy, or hostile.
+    auto it = windows_.find(static_cast<uint32_t>(h.root));
+    if (it == windows_.end()) {
+      *why = kWinUnknown;
+      return nullptr;
+    }
+    WindowMemory* w = it->second;
+    if (h.seq > w->size || len > w->size - h.seq ||
+        (h.kind == kWinPut && (h.tag < -1 || h.tag >= static_cast<int32_t>(w->signals)))) {
+      *why = kWinOutside;
+      return nullptr;
+    }
+    return w;
+  };
+  switch (h.kind) {
+    case kWinPut: {
+      uint8_t why = 0;
+      ps.win_put = window(h.len, &why);
+      ps.refused |= why;
+      if (h.len == 0) {
+        if (ps.win_put && h.tag >= 0) add_signal(ps.win_put->seg, static_cast<uint32_t>(h.tag));
+        ps.win_put = nullptr;
+        return true;
+      }
+      if (!ps.win_put) {
+        if (h.len > kMaxParkedBytes)  // not worth reading: the peer is broken
+          fail(ErrorCode::MISMATCH, peer, from + " put " + std::to_string(h.len) + " bytes outside any window of this rank");
+        ps.discard.resize(h.len);
+      }
+      body_into(ps.win_put ? ps.win_put->base + h.seq : ps.discard.data());
+      ps.win_body = true;
+      return false;
+    }
+    case kWinGet: {
+      uint8_t why = 0;
+      WindowMemory* w = window(h.count, &why);
+      WireHeader reply = h;
+      reply.kind = kWinGetReply;
+      reply.flags = why;
+      queue_reply(peer, reply, w ? w->base + h.seq : nullptr, w ? h.count : 0);
+      return true;
+    }
+    case kWinFlush: {
+      WireHeader reply = h;
+      reply.kind = kWinFlushAck;
+      reply.flags = ps.refused;
+      ps.refused = 0;
+      queue_reply(peer, reply, nullptr, 0);
+      return true;
+    }
+    case kWinGetReply: {
+      if (ps.win_gets.empty()) fail(ErrorCode::MISMATCH, peer, from + " answered a get this rank never sent");
+      Pending g = std::move(ps.win_gets.front());
+      ps.win_gets.pop_front();
+      const uint64_t want = g.op->args.recv_bytes;
+      if (h.flags) {
+        ps.gets_refused |= h.flags;  // the next flush fails with it too
+        finish(g, CommError(ErrorCode::INVALID_ARGUMENT, peer,
+                            from + " refused a get of " + std::to_string(want) + " bytes at offset " +
+                                std::to_string(h.seq) + ": " +
+                                (h.flags & kWinUnknown ? "no such window there (closed?)" : "outside its window")));
+        return true;
+      }
+      if (h.len != want)
+        fail(ErrorCode::MISMATCH, peer, from + " answered a get of " + std::to_string(want) + " bytes with " + std::to_string(h.len));
+      if (h.len == 0) {
+        finish(g);
+        return true;
+      }
+      body_into(reinterpret_cast<char*>(g.op->args.recv));
+      ps.target = std::move(g);
+      return false;
+    }
+    case kWinFlushAck: {
+      if (ps.win_flushes.empty()) fail(ErrorCode::MISMATCH, peer, from + " answered a flush this rank never sent");
+      Pending f = std::move(ps.win_flushes.front());
+      ps.win_flushes.pop_front();
+      const uint8_t why = h.flags | ps.gets_refused;
+      ps.gets_refused = 0;
+      if (why)
+        finish(f, CommError(ErrorCode::INVALID_ARGUMENT, peer,
+                            from + " refused puts or gets of this rank since the last flush: " +
+                                (why & kWinUnknown ? "no such window there (closed?)" : "outside its window") +
+                                "; nothing of them was written or read"));
+      else
+        finish(f);
+      return true;
+    }
+  }
+  fail(ErrorCode::MISMATCH, peer, "corrupt one-sided header from " + from);
+}
+
+void P2P::window_landed(int peer) {
+  PeerState& ps = peers_[peer];
+  if (ps.win_put && ps.hdr.tag >= 0) add_signal(ps.win_put->seg, static_cast<uint32_t>(ps.hdr.tag));
+  ps.win_put = nullptr;
+  ps.win_body = false;
+  if (ps.discard.size() > (1u << 20)) ps.discard = {};
 }
 
 }  // namespace comm

@@ -35,6 +35,16 @@
 
 namespace comm {
 
+struct WindowMemory;  // window.h
+
+// One-sided messages (window.h) on the same per-peer stream as sends, so they keep its order:
+// header fields root = the target's window id, seq = byte offset, tag = signal index (-1 none),
+// len = payload bytes; a GET carries the bytes wanted in count; a reply says in flags why the
+// target refused (kWinUnknown, kWinOutside). Codes far above OpKind's.
+enum WinKind : uint8_t { kWinPut = 0xE0, kWinGet, kWinGetReply, kWinFlush, kWinFlushAck };
+inline bool is_window_kind(uint8_t k) { return k >= kWinPut && k <= kWinFlushAck; }
+constexpr uint8_t kWinUnknown = 1, kWinOutside = 2;
+
 // Unexpected (not yet received) message bytes kept in memory, all peers together.
 constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
@@ -49,6 +59,17 @@ class P2P {
   // then returns null (throws its error); otherwise returns the op to wait on.
   std::shared_ptr<Op> post(OpArgs a, bool blocking);
   void add_peer(int peer);  // a peer connected while running: its stream joins the sweep
+  // One-sided: while a window is registered the driver drains every inbound stream even when
+  // nothing is posted (a put lands without the target's application), until a failure.
+  void add_window(uint32_t id, WindowMemory* w);
+  void remove_window(uint32_t id);  // no byte lands in it after this returns
+  // The origin's side of a put (buf, len: the source), get (the destination) or flush to
+  // `peer`'s window `id`. The op ends when the put's bytes were sent, the get's arrived, the
+  // flush was answered (the target answers after everything before it in the stream landed).
+  std::shared_ptr<Op> post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
+                                  uint64_t len, int32_t signal);
+  // The first failure of send / recv / one-sided traffic, thrown (nothing when none).
+  void check_broken();
   void wake();  // abort: the driver notices at once instead of after its sleep slice
   void stop();  // close: fail what is pending with CLOSED and join the thread
 
@@ -78,6 +99,15 @@ class P2P {
     WireHeader hdr;
     std::optional<Pending> target;
     Parked park;
+    // One-sided, origin side: gets and flushes sent, answered in order by the target.
+    std::deque<Pending> win_gets, win_flushes;
+    // Target side: the window the incoming put's body lands in (null: refused, drained into
+    // `discard`), and the refusals since the last flush (kWin* bits, told in its answer).
+    WindowMemory* win_put = nullptr;
+    bool win_body = false;
+    uint8_t refused = 0;
+    uint8_t gets_refused = 0;  // origin side: refusals of gets since the last flush
+    std::vector<char> discard;
   };
 
   void drive(std::unique_lock<std::mutex>& lock, const Op* until);
@@ -95,6 +125,10 @@ class P2P {
   void fail_all(const CommError& e);
   void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
   bool stuck(const PeerState& ps) const;
+  bool window_message(int peer);  // a one-sided header arrived; true when it has no body
+  void window_landed(int peer);   // a put's body landed
+  void queue_reply(int peer, const WireHeader& h, char* buf, uint64_t len);
+  bool listening() const { return !windows_.empty() && !broken_ && !stopping_; }
   bool busy(const PeerState& ps) const;
 
   Comm& c_;
@@ -110,6 +144,7 @@ class P2P {
   std::optional<CommError> broken_;
   std::thread thread_;
   int wake_fd_ = -1;  // eventfd: a post interrupts the driver's poll()
+  std::map<uint32_t, WindowMemory*> windows_;  // this rank's open windows, by id
 };
 
 }  // namespace comm

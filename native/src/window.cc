@@ -1,0 +1,268 @@
+#include "window.h"
+
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstring>
+#include <string>
+
+namespace comm {
+
+namespace {
+
+SignalHeader* header(char* seg) { return reinterpret_cast<SignalHeader*>(seg); }
+std::atomic<uint64_t>* counter(char* seg, uint32_t k) {
+  return reinterpret_cast<std::atomic<uint64_t>*>(seg + kSignalHeaderBytes) + k;
+}
+
+// Writes `bytes` from `src` to `addr` of process `pid` (process_vm_writev); false with errno
+// set (0 for a short write) when they cannot all be written.
+bool write_process(int pid, uint64_t addr, const char* src, size_t bytes) {
+  while (bytes > 0) {
+    iovec local{const_cast<char*>(src), bytes};
+    iovec remote{reinterpret_cast<void*>(addr), bytes};
+    const ssize_t n = process_vm_writev(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      if (n == 0) errno = 0;
+      return false;
+    }
+    src += n;
+    addr += static_cast<uint64_t>(n);
+    bytes -= static_cast<size_t>(n);
+  }
+  return true;
+}
+
+std::string who(int peer) { return "rank " + std::to_string(peer); }
+
+}  // namespace
+
+void add_signal(char* seg, uint32_t k) {
+  counter(seg, k)->fetch_add(1, std::memory_order_release);
+  SignalHeader* h = header(seg);
+  h->bell.fetch_add(1, std::memory_order_release);
+  // Pairs with the waiter's fence: either we see it asleep, or it sees the new count.
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  if (h->sleeping.load(std::memory_order_relaxed))  // not FUTEX_PRIVATE: shared between processes
+    syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->bell), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, uintptr_t base,
+               uint64_t size, uint32_t signals)
+    : c_(c), p2p_(p2p), reach_(std::move(reach)), id_(id),
+      mem_{reinterpret_cast<char*>(base), size, signals, nullptr}, dirty_(c.size, 0) {
+  // The counters live in a memfd so local peers can map them (and add to them) without a
+  // message; nothing named is left behind whatever way the job ends (as ShmDomain).
+  seg_bytes_ = kSignalHeaderBytes + sizeof(uint64_t) * signals;
+  fd_ = memfd_create("comm-window", MFD_CLOEXEC);
+  if (fd_ < 0) fail_errno("memfd_create (window signals)");
+  if (fchmod(fd_, 0600) != 0 || ftruncate(fd_, static_cast<off_t>(seg_bytes_)) != 0) {
+    const int err = errno;
+    ::close(fd_);
+    errno = err;
+    fail_errno("window signal segment");
+  }
+  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    ::close(fd_);
+    errno = err;
+    fail_errno("mmap window signal segment");
+  }
+  mem_.seg = static_cast<char*>(p);
+}
+
+Window::~Window() {
+  try {
+    close();
+  } catch (...) {
+  }
+  for (char* s : peer_segs_)
+    if (s) munmap(s, seg_bytes_);  // every segment has this rank's size (connect checks)
+  if (mem_.seg) munmap(mem_.seg, seg_bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+bool Window::direct(int peer) const {
+  return c_.cma && c_.shm && peer != c_.rank && c_.shm->local_index(peer) >= 0;
+}
+
+void Window::connect(const std::vector<WindowPeer>& peers) {
+  if (peers.size() != static_cast<size_t>(c_.size))
+    fail(ErrorCode::INVALID_ARGUMENT, -1, "window: one entry per rank expected");
+  peers_ = peers;
+  peer_segs_.assign(c_.size, nullptr);
+  for (int p = 0; p < c_.size; p++) {
+    if (!direct(p)) continue;
+    const std::string path = "/proc/" + std::to_string(peers[p].pid) + "/fd/" + std::to_string(peers[p].signal_fd);
+    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) fail_errno("cannot open the window signals of " + who(p) + " (" + path + ")");
+    struct stat st {};
+    const bool fits = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == seg_bytes_;
+    void* m = fits ? mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
+    ::close(fd);
+    if (!fits)
+      fail(ErrorCode::INVALID_ARGUMENT, p, path + " is not " + who(p) + "'s window signals (ranks asked for "
+                                               "different signal counts?)");
+    if (m == MAP_FAILED) fail_errno("mmap the window signals of " + who(p));
+    peer_segs_[p] = static_cast<char*>(m);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  p2p_.add_window(id_, &mem_);
+}
+
+void Window::check_open(const char* op) const {
+  if (closed_) fail(ErrorCode::CLOSED, -1, std::string(op) + ": the window is closed");
+  if (peers_.empty()) fail(ErrorCode::INVALID_ARGUMENT, -1, std::string(op) + ": the window is not connected");
+  if (c_.aborted.load()) fail(ErrorCode::ABORTED, -1, "the communicator was aborted");
+}
+
+// The engine's own guard (the Python layer checked already): nothing outside a window moves.
+void Window::check_args(const char* op, int peer, uint64_t len, uint64_t offset) const {
+  if (peer < 0 || peer >= c_.size)
+    fail(ErrorCode::INVALID_ARGUMENT, -1, std::string(op) + ": no rank " + std::to_string(peer));
+  const uint64_t size = peers_[peer].size;
+  if (offset > size || len > size - offset)
+    fail(ErrorCode::INVALID_ARGUMENT, peer, std::string(op) + ": " + std::to_string(len) + " bytes at offset " +
+                                                std::to_string(offset) + " do not fit " + who(peer) +
+                                                "'s window of " + std::to_string(size) + " bytes");
+}
+
+void Window::copy_failed(const char* op, int peer) {
+  const int err = errno;
+  c_.check_alive();  // a peer that died says so, rather than "cannot write"
+  fail(ErrorCode::PEER_FAILURE, peer, std::string(op) + ": cannot reach " + who(peer) + "'s window memory (" +
+                                          (err ? std::strerror(err) : "short copy") + ")");
+}
+
+void Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("put");
+  check_args("put", peer, len, offset);
+  if (signal >= static_cast<int>(mem_.signals))
+    fail(ErrorCode::INVALID_ARGUMENT, -1, "put: no signal " + std::to_string(signal));
+  const char* from = reinterpret_cast<const char*>(src);
+  if (peer == c_.rank) {
+    if (len) std::memmove(mem_.base + offset, from, len);
+    if (signal >= 0) add_signal(mem_.seg, static_cast<uint32_t>(signal));
+    return;
+  }
+  if (direct(peer)) {
+    if (len && !write_process(peers_[peer].pid, peers_[peer].addr + offset, from, len)) copy_failed("put", peer);
+    if (signal >= 0) add_signal(peer_segs_[peer], static_cast<uint32_t>(signal));
+    return;
+  }
+  if (!c_.peers[peer].p2p && reach_) reach_(peer);  // connected on first use
+  p2p_.post_window(peer, kWinPut, peers_[peer].id, offset, const_cast<char*>(from), len, signal);
+  dirty_[peer] = 1;
+}
+
+void Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("get");
+  check_args("get", peer, len, offset);
+  char* to = reinterpret_cast<char*>(dst);
+  if (peer == c_.rank) {
+    if (len) std::memmove(to, mem_.base + offset, len);
+    return;
+  }
+  if (direct(peer)) {
+    if (len && !read_process(peers_[peer].pid, peers_[peer].addr + offset, to, len)) copy_failed("get", peer);
+    return;
+  }
+  if (!c_.peers[peer].p2p && reach_) reach_(peer);
+  p2p_.post_window(peer, kWinGet, peers_[peer].id, offset, to, len, -1);
+  dirty_[peer] = 1;
+}
+
+void Window::flush(int peer, double timeout_s) {
+  std::vector<std::pair<int, std::shared_ptr<Op>>> answers;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_open("flush");
+    for (int p = peer < 0 ? 0 : peer; p < (peer < 0 ? c_.size : peer + 1); p++) {
+      if (!dirty_[p]) continue;  // direct peers and self: every copy ended in its call
+      answers.push_back({p, p2p_.post_window(p, kWinFlush, peers_[p].id, 0, nullptr, 0, -1)});
+      dirty_[p] = 0;
+    }
+  }
+  for (auto& [p, op] : answers) {
+    try {
+      op->wait(timeout_s);
+    } catch (const CommError& e) {
+      if (e.code == ErrorCode::TIMEOUT)
+        fail(ErrorCode::TIMEOUT, p, "flush: " + who(p) + " did not answer within " + std::to_string(timeout_s) +
+                                        " s (COMM_TIMEOUT): it is hung, or its engine cannot progress");
+      throw;
+    }
+  }
+}
+
+void Window::wait_signal(uint32_t k, uint64_t value, double timeout_s) {
+  if (k >= mem_.signals) fail(ErrorCode::INVALID_ARGUMENT, -1, "wait_signal: no signal " + std::to_string(k));
+  std::atomic<uint64_t>* ctr = counter(mem_.seg, k);
+  if (ctr->load(std::memory_order_acquire) >= value) return;
+  // The usual discipline: spin (the signal is a core away), yield, then sleep on the futex in
+  // slices that notice abort, dead peers, failures of the p2p driver, Ctrl-C and the timeout.
+  const auto start = Clock::now();
+  Deadline dl;
+  dl.at = timeout_s < 0 ? Clock::time_point::max()
+                        : start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  for (int i = 0; i < 4000; i++) {
+    if (ctr->load(std::memory_order_acquire) >= value) return;
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+  SignalHeader* h = header(mem_.seg);
+  auto signals_checked = start;
+  for (;;) {
+    if (ctr->load(std::memory_order_acquire) >= value) return;
+    const auto now = Clock::now();
+    if (now - start < std::chrono::microseconds(200)) {
+      sched_yield();
+      continue;
+    }
+    if (now >= dl.at)
+      fail(ErrorCode::TIMEOUT, -1, "signal " + std::to_string(k) + " is at " + std::to_string(ctr->load()) +
+                                       ", not yet " + std::to_string(value) + ", after " + std::to_string(timeout_s) +
+                                       " s");
+    if (closed_) fail(ErrorCode::CLOSED, -1, "wait_signal: the window is closed");
+    p2p_.check_broken();
+    c_.check_alive(dl);
+    if (now - signals_checked >= kSignalSlice) {
+      signals_checked = now;
+      check_signals();
+    }
+    const uint32_t bell = h->bell.load(std::memory_order_acquire);
+    h->sleeping.fetch_add(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    if (ctr->load(std::memory_order_acquire) < value) {
+      const int ms = dl.ms_left(20);
+      timespec ts{ms / 1000, (ms % 1000) * 1000000L};
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&h->bell), FUTEX_WAIT, bell, &ts, nullptr, 0);
+    }
+    h->sleeping.fetch_sub(1, std::memory_order_relaxed);
+  }
+}
+
+uint64_t Window::signal(uint32_t k) const {
+  if (k >= mem_.signals) fail(ErrorCode::INVALID_ARGUMENT, -1, "signal: no signal " + std::to_string(k));
+  return counter(mem_.seg, k)->load(std::memory_order_acquire);
+}
+
+void Window::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;
+  p2p_.remove_window(id_);  // a put arriving later names an unknown window: refused, never written
+}
+
+}  // namespace comm

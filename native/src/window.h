@@ -1,0 +1,96 @@
+// One-sided communication: a window of memory every rank exposes, put / get into the peers'
+// windows, and signal counters (comm/window.py is the API; window_spec in the README).
+//
+// How bytes move, per peer:
+// - a peer on this host with CMA (Comm::cma): the origin writes / reads the peer's window
+//   itself with process_vm_writev / readv (one copy, done when the call returns), and adds
+//   to the peer's signal counters in the peer's signal segment (memfd, mapped by every local
+//   rank), waking it through the segment's futex word;
+// - any other peer (TCP, UCX, verbs, shared memory without CMA): a message on the peer's p2p
+//   stream (p2p.h, WinKind), which the TARGET's p2p driver writes into the window and counts
+//   into its signals, with no help from the target's application thread. Stream order gives
+//   "data, then its signal" and a flush that the target answers after everything before it
+//   landed. The target checks window id, offset, length and signal index again.
+#pragma once
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <functional>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "comm.h"
+#include "p2p.h"
+
+namespace comm {
+
+// A rank's signal counters, in a memfd segment local peers map: a futex word first.
+struct SignalHeader {
+  std::atomic<uint32_t> bell;      // bumped after every increment: the futex word
+  std::atomic<uint32_t> sleeping;  // waiters (about to be) asleep on it
+};
+constexpr size_t kSignalHeaderBytes = 64;
+
+// Adds 1 to counter k of the segment at `seg` and wakes its waiters (any process).
+void add_signal(char* seg, uint32_t k);
+
+// What the target's p2p driver needs of a window (its own, registered by id).
+struct WindowMemory {
+  char* base;
+  uint64_t size;
+  uint32_t signals;
+  char* seg;  // this rank's signal segment
+};
+
+// One rank's window as its peers know it (exchanged at creation, in rank order).
+struct WindowPeer {
+  uint64_t addr;
+  uint64_t size;
+  uint32_t id;
+  int pid;
+  int signal_fd;  // its signal segment, opened through /proc/<pid>/fd (same host, CMA)
+};
+
+class Window {
+ public:
+  // `reach` connects a peer on first use (Engine).
+  Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, uintptr_t base, uint64_t size,
+         uint32_t signals);
+  ~Window();
+  Window(const Window&) = delete;
+  Window& operator=(const Window&) = delete;
+
+  uint32_t id() const { return id_; }
+  int signal_fd() const { return fd_; }
+  // Every rank's window (collective: each rank calls it with the same list).
+  void connect(const std::vector<WindowPeer>& peers);
+  void put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal);
+  void get(int peer, uintptr_t dst, uint64_t len, uint64_t offset);
+  void flush(int peer, double timeout_s);  // peer -1: every peer
+  void wait_signal(uint32_t k, uint64_t value, double timeout_s);
+  uint64_t signal(uint32_t k) const;
+  void close();
+
+ private:
+  bool direct(int peer) const;  // same host, CMA: the origin copies itself
+  void check_open(const char* op) const;
+  void check_args(const char* op, int peer, uint64_t len, uint64_t offset) const;
+  [[noreturn]] void copy_failed(const char* op, int peer);
+  Comm& c_;
+  P2P& p2p_;
+  std::function<void(int)> reach_;
+  const uint32_t id_;
+  WindowMemory mem_;
+  int fd_ = -1;
+  size_t seg_bytes_ = 0;
+  std::vector<WindowPeer> peers_;
+  std::vector<char*> peer_segs_;  // mapped signal segments of direct peers
+  std::vector<char> dirty_;       // peers with message-path operations since their last flush
+  std::mutex mu_;                 // dirty_ and close against the operations
+  bool closed_ = false;
+};
+
+}  // namespace comm
