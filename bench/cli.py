@@ -139,7 +139,7 @@ PRESETS = {"decode": {"minbytes": ("-b", "4K"), "maxbytes": ("-e", "256K"), "ste
                       "transport": ("--transport", "native,mpi-raw,gloo")},
            # kv: the block sizes of a paged KV cache (16-256 KiB), each row a request of 32 blocks
            "kv": {"minbytes": ("-b", "16K"), "maxbytes": ("-e", "256K"), "stepfactor": ("-f", "2"),
-                  "datatype": ("-d", "bfloat16"), "transport": ("--transport", "native,comm-p2p,mpi-raw")}}
+                  "transport": ("--transport", "native,comm-p2p,mpi-raw")}}
 
 
 def _apply_presets(args, argv: list[str]) -> None:

@@ -29,9 +29,9 @@ import numpy as np
 
 from comm.types import DType, ReduceOp
 
-from .windows import CommWindows, MpiWindows, P2PWindows
+from .windows import ONE_SIDED, CommWindows, MemcpyWindows, MpiWindows, P2PWindows
 
-ANCHORS = ("gloo", "mpi-raw", "comm-p2p")
+ANCHORS = ("gloo", "mpi-raw", "comm-p2p", "memcpy")
 TORCH_BACKENDS = {"torch-comm": "comm", "gloo": "gloo"}   # runner name -> torch.distributed backend
 NAMES = ("torch-comm",) + ANCHORS   # the runners that are not one of this library's transports
 MPI_LAUNCHERS = ("openmpi", "hydra", "slurm")
@@ -125,7 +125,7 @@ class CommRunner(CommWindows, Runner):
             from transports import base
             if OpKind[bench.upper()] not in base.get(self.name).kinds:
                 return f"transport {self.name} has no {bench}"
-        if bench == "window":
+        if bench in ONE_SIDED:
             from transports import base
             if base.get(self.name).window is base.Transport.window:
                 return f"transport {self.name} has no one-sided windows"
@@ -298,7 +298,7 @@ class TorchRunner(Runner):
         self.store = None
 
     def supports(self, bench, dtype, op, in_place):
-        if bench == "window":
+        if bench in ONE_SIDED:
             return "torch.distributed has no one-sided operations"
         if dtype is DType.INT16 and self.backend == "gloo":
             return "gloo has no int16"
@@ -488,10 +488,22 @@ class P2PRunner(P2PWindows, CommRunner):
                                transport=self.transport, timeout=timeout)
 
     def supports(self, bench, dtype, op, in_place):
-        return None if bench == "window" else "one-sided benchmarks only (put, get, put_signal, kv)"
+        return None if bench in ONE_SIDED else "one-sided benchmarks only (put, get, put_signal, kv)"
 
     def wrap(self, arr, dtype):
         return arr.view(np.uint8)   # bytes, as a window holds them: a receive must match its send's dtype
+
+
+class MemcpyRunner(MemcpyWindows, Runner):
+    """Anchor of put, get and kv: the same bytes copied within this rank's memory."""
+
+    name, kind = "memcpy", "anchor"
+
+    def supports(self, bench, dtype, op, in_place):
+        return None if bench in ("put", "get", "kv") else "a local copy: put, get and kv only"
+
+    def wrap(self, arr, dtype):
+        return arr.view(np.uint8)
 
 
 def make_runner(name: str, persistent: bool = False, async_op: bool = False) -> Runner:
@@ -503,6 +515,8 @@ def make_runner(name: str, persistent: bool = False, async_op: bool = False) -> 
         return MpiRawRunner(async_op)
     if name == "comm-p2p":
         return P2PRunner()
+    if name == "memcpy":
+        return MemcpyRunner()
     if persistent:
         return PersistentCommRunner(name, async_op)
     return AsyncCommRunner(name) if async_op else CommRunner(name)

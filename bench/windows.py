@@ -1,6 +1,7 @@
 """The one-sided benchmarks' operations (bench/benchmarks/onesided.py), one mixin per library.
 
-Every rank works on a ring: it puts into (or gets from) the window of `peer` (its right
+A window's memory is Handle.mem (the library may allocate it: MPI_Win_allocate); it starts as
+a copy of what open_window was given. Every rank works on a ring: it puts into (or gets from) the window of `peer` (its right
 neighbour) while its left neighbour does the same to it. Each timed operation is complete at
 both ends when it returns, so the libraries compare like for like:
 
@@ -13,16 +14,21 @@ both ends when it returns, so the libraries compare like for like:
 
     CommWindows   this library: comm.Window (put / get / flush / put(signal=) / wait_signal)
     MpiWindows    MPI RMA through mpi4py: MPI_Win_create + lock_all, MPI_Put / MPI_Get +
-                  MPI_Win_flush; a signal is MPI_Accumulate on a counter window after a flush
-                  (MPI has no put-with-signal), seen by polling MPI_Fetch_and_op(NO_OP)
+                  MPI_Win_flush; a signal is an MPI_Put of a count into a counter window after
+                  a flush (MPI has no put-with-signal), seen by polling it (MPI_Win_sync)
     P2PWindows    this library's two-sided send / recv doing the same transfers (the receiver
                   posts a receive for every block): what a window saves
+    MemcpyWindows a local copy of the same bytes into this rank's own window (no peer): the
+                  bound of a put within one host
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
+
+
+ONE_SIDED = ("put", "get", "put_signal", "kv")   # the benchmarks these operations serve
 
 
 @dataclass
@@ -82,12 +88,19 @@ class CommWindows:
 
 class MpiWindows:
     def open_window(self, mem: np.ndarray) -> Handle:
+        # MPI_Win_allocate, not MPI_Win_create over `mem`: Open MPI then serves one host with
+        # osc/sm (the peers' windows mapped), its best; MPI_Win_create gets osc/rdma here, whose
+        # messages the target must answer from inside MPI (the bench's ranks, meeting outside
+        # MPI between rows, waited on each other for good). The window starts as a copy of mem.
         MPI = self.MPI
-        counters = np.zeros(1, np.int64)
-        h = Handle(mem, MPI.Win.Create(mem, 1, comm=self.c), MPI.Win.Create(counters, 8, comm=self.c))
-        h.scratch.update(counters=counters, one=[np.ones(1, np.int64), MPI.INT64_T],
-                         read=np.zeros(1, np.int64))
-        h.scratch["read_msg"] = [h.scratch["read"], MPI.INT64_T]
+        win = MPI.Win.Allocate(max(1, mem.nbytes), 1, comm=self.c)
+        sig = MPI.Win.Allocate(8, 8, comm=self.c)
+        local = np.frombuffer(win.tomemory(), np.uint8)[:mem.nbytes]
+        local[:] = mem
+        counter = np.frombuffer(sig.tomemory(), np.int64)
+        counter[:] = 0
+        h = Handle(local, win, sig)
+        h.scratch.update(counter=counter, value=np.zeros(1, np.int64))
         h.win.Lock_all()
         h.sig.Lock_all()
         return h
@@ -111,17 +124,24 @@ class MpiWindows:
         h.win.Flush(peer)
 
     def _signal(self, h, peer):
-        h.win.Flush(peer)     # the data first: MPI does not order the accumulate after the put
-        h.sig.Accumulate(h.scratch["one"], peer, 0, self.MPI.SUM)
+        # The counter is written by MPI_Put, not MPI_Accumulate: without RDMA atomics Open MPI
+        # emulates accumulates with messages the target must answer from inside MPI, and a
+        # target that saw its counter and left MPI held the origin's accumulate for good. One
+        # writer per counter here (the left neighbour), so a put of the new count suffices.
+        h.win.Flush(peer)     # the data first: MPI does not order the counter's put after it
+        value = h.scratch["value"]
+        value[0] += 1
+        h.sig.Put(value, peer, 0)
         h.sig.Flush(peer)
 
     def _wait(self, h):
+        # MPI progress, MPI_Win_sync, read (osc/sm: the peer's put is an aligned 8-byte store)
         h.expect += 1
-        me, read = self.rank, h.scratch["read"]
+        counter, c, any_ = h.scratch["counter"], self.c, self.MPI.ANY_SOURCE
         while True:
-            h.sig.Fetch_and_op(h.scratch["one"], h.scratch["read_msg"], me, 0, self.MPI.NO_OP)
-            h.sig.Flush(me)
-            if read[0] >= h.expect:
+            c.Iprobe(any_)
+            h.sig.Sync()
+            if counter[0] >= h.expect:
                 return
 
     def signal_hop(self, h, src, peer, offset, lead):
@@ -182,3 +202,28 @@ class P2PWindows:
         sends = [self.world.isend(b, peer, tag=i) for i, b in enumerate(blocks)]
         for w in recvs + sends:
             w.wait()
+
+
+class MemcpyWindows:
+    """Copies into (get: out of) this rank's own window; `local` tells the check so."""
+
+    local = True
+
+    def open_window(self, mem: np.ndarray) -> Handle:
+        return Handle(mem)
+
+    def close_window(self, h: Handle) -> None:
+        pass
+
+    def window_fence(self, h: Handle) -> None:
+        pass
+
+    def put_flush(self, h, src, peer, offset):
+        np.copyto(h.mem[offset:offset + src.nbytes], src)
+
+    def get_flush(self, h, dst, peer, offset):
+        np.copyto(dst, h.mem[offset:offset + dst.nbytes])
+
+    def kv_put(self, h, blocks, peer, offsets):
+        for b, off in zip(blocks, offsets):
+            np.copyto(h.mem[off:off + b.nbytes], b)

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from harness import assert_no_problems
+from harness import assert_no_problems, slow
 from reference import HAVE_TORCH
 
 from transports import base
@@ -161,8 +161,14 @@ def tensor_window(world):
     return problems
 
 
-def test_put_get_signals_at_edges(cluster):
-    c = cluster(N, "mpi", "mpirun")
+# Open MPI's osc/ucx on shared memory and TCP too (it serves RDMA devices only by default): the
+# osc with passive progress, whose accumulates a polling target once starved
+OSC_UCX = {"OMPI_MCA_osc": "ucx", "OMPI_MCA_opal_common_ucx_tls": "any", "OMPI_MCA_opal_common_ucx_devices": "any"}
+
+
+@pytest.mark.parametrize("env", [None, *slow(OSC_UCX)], ids=["default-osc", "osc-ucx"])
+def test_put_get_signals_at_edges(cluster, env):
+    c = cluster(N, "mpi", "mpirun", env)
     assert_no_problems(c.run(edges, timeout=120))
     assert_no_problems(c.run(many_in_flight, 20, timeout=120))
     assert_no_problems(c.run(refusals, timeout=120))

@@ -16,9 +16,16 @@ an MPI_Accumulate is not ordered at the target. So put(..., signal=k) is MPI_Put
 MPI_Win_flush(peer) (this and every earlier put to that peer have landed), then an
 MPI_Accumulate(SUM, 1) on the peer's counter k and a second flush so the target sees it
 without waiting for this rank's next MPI call: two round trips, and the caller's thread waits for
-both (a put without a signal does not wait). wait_signal and signal read the local counter with
-MPI_Fetch_and_op(NO_OP) on this rank (an atomic read that also drives MPI's progress), polled
-with the transport's back-off against the timeout.
+both (a put without a signal does not wait). wait_signal and signal drive MPI's progress
+(MPI_Iprobe), MPI_Win_sync the counter window and read the counter (the unified memory model),
+polled with the transport's back-off against the timeout.
+
+Passive progress depends on the osc component. Open MPI enables its UCX components only on RDMA
+devices (opal_common_ucx_tls), so on a machine without an RDMA NIC Win.Create gets osc/rdma over
+btl/sm or tcp, which emulates RMA with active messages: a put + flush then waits until the
+target calls into MPI (measured: 1 s while the target slept 1 s). Launching with
+`--mca osc ucx --mca opal_common_ucx_tls any --mca opal_common_ucx_devices any` makes
+osc/ucx serve shared memory and TCP too, and the same put + flush took 0.05 ms.
 
 MPI_Win_flush has no timeout: a peer that hangs inside MPI can hold a flush (and so a put with
 a signal) forever, as MPI's blocking calls can (COMM_MPI_BOUNDED=0). With Open MPI's osc/rdma
@@ -47,12 +54,17 @@ class MPIWindow(TransportWindow):
         memory = mpi.buffer.fromaddress(mem.ptr, mem.nbytes) if mem.nbytes else np.empty(0, np.uint8)
         self._counters = np.zeros(max(1, signals), np.int64)
         self._one = np.ones(1, np.int64)
-        self._read = np.zeros(1, np.int64)
         self._win = self._sig = None
         try:
             self.sizes = tuple(t.comm.allgather(mem.nbytes))
             self._win = mpi.Win.Create(memory, 1, comm=t.comm)
-            self._sig = mpi.Win.Create(self._counters, 8, comm=t.comm)
+            # only SUM and NO_OP touch the counters, unordered: lets an osc use its network's
+            # atomics instead of a lock at the target (Open MPI's osc/ucx otherwise locks, and a
+            # target polling its own counter starves the origin's accumulate)
+            info = mpi.Info.Create()
+            info.update({"accumulate_ops": "same_op_no_op", "accumulate_ordering": "none"})
+            self._sig = mpi.Win.Create(self._counters, 8, info, comm=t.comm)
+            info.Free()
             for w in (self._win, self._sig):
                 w.Set_errhandler(mpi.ERRORS_RETURN)
                 w.Lock_all(mpi.MODE_NOCHECK)   # one passive epoch for the window's whole life
@@ -96,13 +108,18 @@ class MPIWindow(TransportWindow):
     def signal(self, k: int) -> int:
         if self._t._aborted:
             raise Aborted("the communicator was aborted")
-        me, mpi = self._t.rank, self._mpi
         try:
-            self._sig.Fetch_and_op([self._one, mpi.INT64_T], [self._read, mpi.INT64_T], me, k, mpi.NO_OP)
-            self._sig.Flush(me)
-        except mpi.Exception as e:
+            # MPI progress first (an osc that emulates RMA with messages needs the target to
+            # call in), then MPI_Win_sync: in the unified model (both osc here) the counter's
+            # public and private copies are then one, and an aligned 8-byte load is atomic.
+            # (MPI_Fetch_and_op(NO_OP) on itself would be the portable read, but under osc/ucx
+            # a target polling it starves the origins' accumulates: signals arrived only
+            # after the target stopped polling.)
+            self._t.comm.Iprobe(self._mpi.ANY_SOURCE, self._mpi.ANY_TAG)
+            self._sig.Sync()
+        except self._mpi.Exception as e:
             raise self._error(e) from None
-        return int(self._read[0])
+        return int(self._counters[k])
 
     def wait_signal(self, k: int, value: int, timeout_s: float) -> None:
         poll_until(lambda: self.signal(k) >= value, timeout_s, lambda: CommTimeout(

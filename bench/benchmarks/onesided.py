@@ -15,8 +15,9 @@ writes into its window meanwhile; each operation is complete at both ends when i
                 column is the request (KV_BLOCKS blocks), the count column its elements
 
 Runners: this library's transports (comm.Window), `mpi-raw` (MPI_Put / MPI_Get +
-MPI_Win_flush; signals emulated: MPI_Accumulate on a counter window after a flush), and the
-anchor `comm-p2p`, this library's send / recv doing the same transfers two-sided.
+MPI_Win_flush; signals emulated: an MPI_Put of a count after a flush), and the
+anchors `comm-p2p`, this library's send / recv doing the same transfers two-sided, and
+`memcpy`, a copy of the same bytes into the rank's own window (put, get, kv).
 `python -m bench --np 2 kv` is a preset (bench/cli.py).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ class _OneSided(Benchmark):
     min_ranks = 2
 
     def unsupported(self, runner, p, in_place):
-        return runner.supports("window", p.dtype, None, in_place)
+        return runner.supports(self.name, p.dtype, None, in_place)
 
     def _ring(self, p):
         return (p.rank + 1) % p.size, (p.rank - 1) % p.size
@@ -45,8 +46,8 @@ def _window_case(bench: _OneSided, runner, p, op: str) -> Case:
     peer, left = bench._ring(p)
     mine = data.storage(data.block(p.count, p.rank), p.dtype)
     sentinel = data.sentinel(p.count, p.dtype)
-    mem = (mine if op == "get" else sentinel).copy().view(np.uint8)
-    h = runner.open_window(mem)
+    h = runner.open_window((mine if op == "get" else sentinel).copy().view(np.uint8))
+    mem = h.mem
     src = runner.wrap(mine.copy(), p.dtype)
     dst = data.sentinel(p.count, p.dtype).copy()
     if op == "put":
@@ -63,12 +64,14 @@ def _window_case(bench: _OneSided, runner, p, op: str) -> Case:
             mem[:] = sentinel.view(np.uint8)
         runner.window_fence(h)
 
+    local = getattr(runner, "local", False)   # memcpy: its own window, no peer
+
     def check():
         runner.window_fence(h)   # the left neighbour's put has landed here too
         if op == "get":
-            return count_wrong(bench.name, dst, data.storage(data.block(p.count, peer), p.dtype))
+            return count_wrong(bench.name, dst, data.storage(data.block(p.count, p.rank if local else peer), p.dtype))
         got = mem.view(mine.dtype)[:p.count]
-        return count_wrong(bench.name, got, data.storage(data.block(p.count, left), p.dtype))
+        return count_wrong(bench.name, got, data.storage(data.block(p.count, p.rank if local else left), p.dtype))
 
     return Case(run, fill, check, close=lambda: runner.close_window(h))
 
@@ -112,8 +115,8 @@ class KV(_OneSided):
         block_bytes = blocks[0].nbytes
         slots = np.random.default_rng(7).permutation(2 * KV_BLOCKS)[:KV_BLOCKS]   # same on every rank
         offsets = [int(s) * block_bytes for s in slots]
-        pool = np.zeros(2 * KV_BLOCKS * block_bytes, np.uint8)
-        h = runner.open_window(pool)
+        h = runner.open_window(np.zeros(2 * KV_BLOCKS * block_bytes, np.uint8))
+        pool = h.mem
         srcs = [runner.wrap(b, p.dtype) for b in blocks]
         run = runner.bind("kv_put", h, srcs, peer, offsets)
 
@@ -121,10 +124,12 @@ class KV(_OneSided):
             pool[:] = 0
             runner.window_fence(h)
 
+        src_rank = p.rank if getattr(runner, "local", False) else left
+
         def check():
             runner.window_fence(h)
             got = np.concatenate([pool[o:o + block_bytes] for o in offsets]).view(blocks[0].dtype)
-            want = np.concatenate([data.storage(data.block(per, left * KV_BLOCKS + i), p.dtype)
+            want = np.concatenate([data.storage(data.block(per, src_rank * KV_BLOCKS + i), p.dtype)
                                    for i in range(KV_BLOCKS)])
             return count_wrong(self.name, got, want)
 
