@@ -103,12 +103,17 @@ class MpiWindows:
         h.scratch.update(counter=counter, value=np.zeros(1, np.int64))
         h.win.Lock_all()
         h.sig.Lock_all()
+        # every rank stays in MPI until all have their window: a rank that returned early and
+        # waited for the others outside MPI (the bench's store) once held a slower rank's
+        # MPI_Win_allocate for good, as its creation needed the early rank's progress
+        self.c.Barrier()
         return h
 
     def close_window(self, h: Handle) -> None:
         for w in (h.win, h.sig):
             w.Unlock_all()
             w.Free()
+        self.c.Barrier()   # as after the creation: nobody leaves MPI before all are done
 
     def window_fence(self, h: Handle) -> None:
         h.win.Flush_all()

@@ -68,6 +68,9 @@ class MPIWindow(TransportWindow):
             for w in (self._win, self._sig):
                 w.Set_errhandler(mpi.ERRORS_RETURN)
                 w.Lock_all(mpi.MODE_NOCHECK)   # one passive epoch for the window's whole life
+            # nobody returns before every rank has the window: a rank that went on to wait
+            # outside MPI could hold a slower rank's creation, which needs its progress
+            t.comm.Barrier()
         except mpi.Exception as e:
             self._free()
             raise error(e) from None
