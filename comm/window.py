@@ -49,9 +49,10 @@ class Window:
     def __exit__(self, *exc) -> None:
         if exc[0] is None:
             self.close()
-        else:  # a failed body: a collective close could hang on ranks that never get there
-            self._closed = True
+        elif not self._closed:  # a failed body: a collective close could hang on ranks that
+            self._closed = True  # never get there, so only this rank's side is let go
             self._held.clear()
+            self._tw.close()
 
     @property
     def signals(self) -> int:
@@ -181,6 +182,8 @@ class Window:
             want = operator.index(value)
         except TypeError:
             raise self._error(op, f"value {value!r} must be an integer") from None
+        if not 0 <= want < 2**64:
+            raise self._error(op, f"value {value!r} must be in [0, 2**64)")
         t = self._comm.timeout if timeout is None else float(timeout)
         if t < 0:
             raise self._error(op, f"timeout {timeout!r} must not be negative")

@@ -33,7 +33,8 @@ export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # every native algorithm forced in turn on shared memory and TCP (test_forced_algorithm),
 # the conformance suite's native all_to_all, reduce_scatter / all_gather and rooted
 # collectives at 3 ranks, and the one-call path's async Works (whose ops the progress thread
-# sees while their waiters run and free them).
+# sees while their waiters run and free them); and the one-sided windows (test_window: puts,
+# gets and signals over CMA, shm rings, TCP and UCX, refusals of out-of-range and hostile puts).
 C=tests/test_conformance.py
 V=tests/test_vcollectives.py
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
@@ -41,4 +42,5 @@ exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_native_algorithms.py::test_forced_algorithm \
   "$C::test_all_to_all[native-2]" "$C::test_all_to_all[native-3]" \
   "$C::test_reduce_scatter_all_gather[native-3]" "$C::test_broadcast_reduce_gather_scatter[native-3]" \
-  "$V::test_lean_path_matches_the_full_path" "$V::test_all_to_all_lean_path_matches_the_full_path" "$@"
+  "$V::test_lean_path_matches_the_full_path" "$V::test_all_to_all_lean_path_matches_the_full_path" \
+  tests/test_window.py "$@"

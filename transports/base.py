@@ -163,8 +163,8 @@ class TransportWindow(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the window (after a fence on every rank; or on a failed communicator, where
-        it must not wait for any peer). Idempotent."""
+        """Release the window: after a fence on every rank, or alone (a failed communicator, a
+        `with` block that raised), where it must not wait for any peer. Idempotent."""
 
 
 def poll_until(done, timeout: float | None, timed_out) -> None:

@@ -146,7 +146,11 @@ class NativeWindow(TransportWindow):
             self._w.close()
             raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
                                   "must pass the same signals=", rank=self._rank, op="window")
-        self._call("window", self._w.connect, [tuple(i[:5]) for i in infos])
+        self.peers = [tuple(i[:5]) for i in infos]   # (address, size, id, pid, signal fd) per rank
+        self._call("window", self._w.connect, self.peers)
+        # Nobody may close its signal segment (a window dropped at once) before every local
+        # peer has mapped it: set-up ends together.
+        transport._ctx.store.all_gather(f"native/window{transport._windows}/mapped", b"")
         self.sizes = tuple(i[1] for i in infos)
 
     def _call(self, op: str, fn, *args):

@@ -45,6 +45,10 @@ enum WinKind : uint8_t { kWinPut = 0xE0, kWinGet, kWinGetReply, kWinFlush, kWinF
 inline bool is_window_kind(uint8_t k) { return k >= kWinPut && k <= kWinFlushAck; }
 constexpr uint8_t kWinUnknown = 1, kWinOutside = 2;
 
+// A driver with nothing posted (it only listens for one-sided traffic) yields this long after
+// the last byte moved, then sleeps until the next arrives.
+constexpr auto kListenYield = std::chrono::microseconds(200);
+
 // Unexpected (not yet received) message bytes kept in memory, all peers together.
 constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
@@ -59,7 +63,7 @@ class P2P {
   // then returns null (throws its error); otherwise returns the op to wait on.
   std::shared_ptr<Op> post(OpArgs a, bool blocking);
   void add_peer(int peer);  // a peer connected while running: its stream joins the sweep
-  // One-sided: while a window is registered the driver drains every inbound stream even when
+  // One-sided: once a window was registered the driver drains every inbound stream even when
   // nothing is posted (a put lands without the target's application), until a failure.
   void add_window(uint32_t id, WindowMemory* w);
   void remove_window(uint32_t id);  // no byte lands in it after this returns
@@ -68,6 +72,8 @@ class P2P {
   // flush was answered (the target answers after everything before it in the stream landed).
   std::shared_ptr<Op> post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
                                   uint64_t len, int32_t signal);
+  // Waits for an op of post_window() as a blocking send does: this thread drives.
+  void wait(const std::shared_ptr<Op>& op);
   // The first failure of send / recv / one-sided traffic, thrown (nothing when none).
   void check_broken();
   void wake();  // abort: the driver notices at once instead of after its sleep slice
@@ -111,6 +117,7 @@ class P2P {
   };
 
   void drive(std::unique_lock<std::mutex>& lock, const Op* until);
+  void finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op);
   void thread_loop();
   bool pass();  // one non-blocking sweep over every peer; true if anything moved
   bool progress_sends(int peer);
@@ -128,7 +135,10 @@ class P2P {
   bool window_message(int peer);  // a one-sided header arrived; true when it has no body
   void window_landed(int peer);   // a put's body landed
   void queue_reply(int peer, const WireHeader& h, char* buf, uint64_t len);
-  bool listening() const { return !windows_.empty() && !broken_ && !stopping_; }
+  // Once this communicator had a window its streams are drained for good: a put that comes
+  // after the window closed (only a peer that broke the collective close sends one) is then
+  // refused and answered, instead of stalling the peer's stream until a receive is posted.
+  bool listening() const { return had_window_ && !broken_ && !stopping_; }
   bool busy(const PeerState& ps) const;
 
   Comm& c_;
@@ -140,11 +150,14 @@ class P2P {
   size_t pending_ = 0;  // ops posted and not finished
   size_t parked_bytes_ = 0;
   bool driving_ = false;
+  bool thread_driving_ = false;  // the driver is the p2p thread (not a blocking caller)
+  int handoffs_ = 0;             // blocking callers waiting for the p2p thread to hand over
   bool stopping_ = false;
   std::optional<CommError> broken_;
   std::thread thread_;
   int wake_fd_ = -1;  // eventfd: a post interrupts the driver's poll()
   std::map<uint32_t, WindowMemory*> windows_;  // this rank's open windows, by id
+  bool had_window_ = false;
 };
 
 }  // namespace comm

@@ -77,6 +77,14 @@ Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, u
     fail_errno("mmap window signal segment");
   }
   mem_.seg = static_cast<char*>(p);
+  // Open to puts before any peer learns of it (a peer may put as soon as its exchange ends).
+  try {
+    p2p_.add_window(id_, &mem_);
+  } catch (...) {
+    munmap(mem_.seg, seg_bytes_);
+    ::close(fd_);
+    throw;
+  }
 }
 
 Window::~Window() {
@@ -114,8 +122,6 @@ void Window::connect(const std::vector<WindowPeer>& peers) {
     if (m == MAP_FAILED) fail_errno("mmap the window signals of " + who(p));
     peer_segs_[p] = static_cast<char*>(m);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  p2p_.add_window(id_, &mem_);
 }
 
 void Window::check_open(const char* op) const {
@@ -195,7 +201,8 @@ void Window::flush(int peer, double timeout_s) {
   }
   for (auto& [p, op] : answers) {
     try {
-      op->wait(timeout_s);
+      if (timeout_s < c_.opt.timeout_s) op->wait(timeout_s);  // a shorter bound than the ops' own
+      else p2p_.wait(op);  // this thread drives, as a blocking send does
     } catch (const CommError& e) {
       if (e.code == ErrorCode::TIMEOUT)
         fail(ErrorCode::TIMEOUT, p, "flush: " + who(p) + " did not answer within " + std::to_string(timeout_s) +

@@ -1,0 +1,386 @@
+"""One-sided windows (comm.Window): put / get / signals on every engine channel that runs here.
+
+Each channel set-up is its own cluster of real rank processes: shared memory with the
+single-copy path (CMA: the origin writes the peer's memory itself), shared memory without it
+(COMM_CMA=0: one-sided messages on the shm rings, written in by the target's engine), TCP
+(COMM_CHANNELS=tcp) and UCX. Results are checked against a numpy model of every window."""
+import os
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import comm
+from harness import Cluster, engine_param, run_ranks
+from harness import slow as slow_params
+
+SETUPS = {"cma": ("native", {}), "shm": ("native", {"COMM_CMA": "0"}),
+          "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {})}
+
+
+def _params(slow=()):
+    return [engine_param(name, channels="ucx" if name == "ucx" else "auto", slow=name in slow) for name in SETUPS]
+
+
+def _cluster(cluster, name, n=2):
+    transport, env = SETUPS[name]
+    return cluster(n, transport, env=dict(env, COMM_TIMEOUT="20"))
+
+
+def _pattern(rank, n, salt=0):
+    return ((np.arange(n, dtype=np.int64) * 7 + rank * 31 + salt) % 251).astype(np.uint8)
+
+
+# ---- edges: 0 bytes, the last byte, the whole window, signals -----------------------------------
+
+def _edges(world):
+    """Rank r writes rank r+1's window (whole, last byte, 0 bytes at the end, a notification)
+    and reads every window back (whole, last byte, 0 bytes), its own included."""
+    n, me = world.size, world.rank
+    size = 4096 + 8 * me   # sizes differ per rank
+    buf = np.zeros(size, np.uint8)
+    written = {}
+    for p in range(n):   # what rank p's window holds at the end: its writer's pattern
+        written[p] = _pattern((p - 1) % n, 4096 + 8 * p, 1)
+        written[p][-1] = 200 + (p - 1) % n
+    with world.window(buf, signals=4) as w:
+        assert w.sizes == tuple(4096 + 8 * p for p in range(n))
+        world.barrier()
+        p = (me + 1) % n
+        w.put(p, _pattern(me, w.sizes[p], 1))                        # the whole window
+        w.put(p, np.full(1, 200 + me, np.uint8), w.sizes[p] - 1)   # the last byte
+        w.put(p, np.zeros(0, np.uint8), w.sizes[p])                # 0 bytes at the very end
+        w.put(p, np.zeros(0, np.uint8), signal=3)                   # a pure notification
+        w.flush()
+        w.wait_signal(3, 1, timeout=10)
+        assert w.signal(3) == 1 and w.signal(0) == 0
+        world.barrier()   # every rank's puts landed (flush), so every window is final
+        assert np.array_equal(buf, written[me])
+        for p in range(n):
+            whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
+            w.get(p, whole)
+            w.get(p, last, w.sizes[p] - 1)
+            w.get(p, empty, w.sizes[p])
+            w.flush(p)
+            assert last[0] == whole[-1] and np.array_equal(whole, written[p])
+        w.fence()
+    return True
+
+
+@pytest.mark.parametrize("name", _params())
+def test_edges(cluster, name):
+    assert _cluster(cluster, name, 3).run(_edges) == [True] * 3
+
+
+# ---- many puts in flight, to one and to many peers; disjoint ranges from several origins -------
+
+def _many(world, count, block):
+    n, me = world.size, world.rank
+    buf = np.zeros(n * count * block, np.uint8)   # origin o, put i -> block (o * count + i)
+    srcs = [[_pattern(me, block, i + 97 * p) for i in range(count)] for p in range(n)]
+    with world.window(buf) as w:
+        for i in range(count):            # interleaved: every peer has many in flight at once
+            for p in range(n):
+                w.put(p, srcs[p][i], (me * count + i) * block, signal=me)
+        w.flush()
+        w.wait_signal(0, 0)
+        for o in range(n):
+            w.wait_signal(o, count, timeout=20)
+        ok = all(np.array_equal(buf[(o * count + i) * block:(o * count + i + 1) * block],
+                                _pattern(o, block, i + 97 * me)) for o in range(n) for i in range(count))
+        counts = [w.signal(o) for o in range(n)]
+    return ok, counts
+
+
+@pytest.mark.parametrize("name", _params(slow=("ucx",)))
+def test_many_puts_in_flight(cluster, name):
+    n = 3
+    assert _cluster(cluster, name, n).run(_many, 200, 96) == [(True, [200] * n)] * n
+
+
+@pytest.mark.parametrize("name", _params(slow=("ucx",)))
+def test_large_puts_and_gets(cluster, name):
+    """Blocks past the p2p rings and the TCP socket buffers (several MiB each)."""
+    assert _cluster(cluster, name, 3).run(_many, 2, (2 << 20) + 5) == [(True, [2, 2, 2])] * 3
+
+
+def _target_sleeps(world):
+    """Rank 1 sleeps (no engine call at all) while rank 0 puts, signals, gets and flushes:
+    the target's engine does the work."""
+    buf = np.zeros(1 << 16, np.uint8)
+    with world.window(buf) as w:
+        world.barrier()
+        if world.rank == 1:
+            time.sleep(1.5)
+            return bool((buf == 7).all()), w.signal(0)
+        t0 = time.monotonic()
+        w.put(1, np.full(1 << 16, 7, np.uint8), signal=0)
+        back = np.zeros(1 << 16, np.uint8)
+        w.get(1, back)
+        w.flush()
+        return bool((back == 7).all()), time.monotonic() - t0 < 1.0
+
+
+@pytest.mark.parametrize("name", ["shm", "tcp"])
+def test_target_application_does_nothing(cluster, name):
+    assert _cluster(cluster, name).run(_target_sleeps) == [(True, True), (True, 1)]
+
+
+# ---- a random sequence of puts and gets against a model ----------------------------------------
+
+def _replay(world, ops, size):
+    """ops: (origin, peer, offset, length, is_put, salt). Every rank replays the same list,
+    issuing its own, with a fence after each step of 8; the model does the same."""
+    n, me = world.size, world.rank
+    buf = np.zeros(size, np.uint8)
+    model = np.zeros((n, size), np.uint8)
+    first_bad = -1   # every rank goes on to the end: the fences stay collective
+    with world.window(buf) as w:
+        for step in range(0, len(ops), 8):
+            gets = []
+            batch = ops[step:step + 8]
+            before = model.copy()   # gets read what was there before this step's puts (no races:
+            for origin, peer, off, length, is_put, salt in batch:   # a step's ranges are disjoint)
+                if is_put:
+                    model[peer, off:off + length] = _pattern(origin, length, salt)
+                if origin != me:
+                    continue
+                if is_put:
+                    w.put(peer, _pattern(origin, length, salt), off)
+                else:
+                    dst = np.zeros(length, np.uint8)
+                    w.get(peer, dst, off)
+                    gets.append((dst, before[peer, off:off + length]))
+            w.fence()
+            bad = not all(np.array_equal(d, e) for d, e in gets) or not np.array_equal(buf, model[me])
+            if bad and first_bad < 0:
+                first_bad = step
+            world.barrier()   # nobody puts the next step into a window still being checked
+    return first_bad
+
+
+@st.composite
+def _sequences(draw, n=2, size=512):
+    ops = []
+    for _ in range(draw(st.integers(1, 4))):
+        used = {p: [] for p in range(n)}   # ranges touched per target this step: kept disjoint
+        for _ in range(8):
+            origin, peer = draw(st.integers(0, n - 1)), draw(st.integers(0, n - 1))
+            off = draw(st.integers(0, size))
+            length = draw(st.integers(0, size - off))
+            if any(off < b and a < off + length for a, b in used[peer]) or (length == 0 and draw(st.booleans())):
+                length = 0
+            used[peer].append((off, off + length))
+            ops.append((origin, peer, off, length, draw(st.booleans()), draw(st.integers(0, 1000))))
+    return ops
+
+
+@pytest.mark.parametrize("name", ["cma", "shm", *slow_params("tcp")])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_sequences())
+def test_random_sequences_against_a_model(cluster, name, ops):
+    assert _cluster(cluster, name).run(_replay, ops, 512) == [-1, -1]
+
+
+# ---- torch tensors -------------------------------------------------------------------------------
+
+def _torch_window(world):
+    import torch
+    n, me = world.size, world.rank
+    pool = torch.zeros(4, 16, dtype=torch.bfloat16)
+    with world.window(pool) as w:
+        block = torch.full((16,), float(me + 1), dtype=torch.bfloat16)
+        w.put((me + 1) % n, block, 16 * 2 * me, signal=1)   # row `me` of the peer's pool
+        w.flush()
+        w.wait_signal(1, 1, timeout=10)
+        got = torch.zeros(16, dtype=torch.bfloat16)
+        w.get(me, got, 16 * 2 * ((me - 1) % n))
+        w.flush()
+        ok = bool((pool[(me - 1) % n] == float((me - 1) % n + 1)).all()) and bool((got == pool[(me - 1) % n]).all())
+        w.fence()
+        pool.resize_(0)   # freed under the window: refused, not written through
+        try:
+            w.put(me, block)
+        except comm.InvalidArgument as e:
+            refused = "changed under it" in str(e)
+        else:
+            refused = False
+    return ok, refused
+
+
+@pytest.mark.slow   # importing torch in the ranks takes 5-10 s here
+def test_torch_tensors(cluster):
+    pytest.importorskip("torch", reason="torch is not installed")
+    assert _cluster(cluster, "cma").run(_torch_window) == [(True, True)] * 2
+
+
+# ---- refusals: bad input before anything moves, closed windows, timeouts, hostile peers --------
+
+def _refusals(world):
+    me, peer = world.rank, 1 - world.rank
+    buf = np.full(64, 9, np.uint8)
+    errors = []
+    w = world.window(buf, signals=2)
+
+    def refused(fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except comm.InvalidArgument as e:
+            errors.append(e.op)
+        else:
+            errors.append(None)
+
+    refused(w.put, peer, np.zeros(8, np.uint8), 60)        # past the end
+    refused(w.put, peer, np.zeros(65, np.uint8))            # larger than the window
+    refused(w.put, peer, np.zeros(1, np.uint8), -1)         # negative offset
+    refused(w.put, 2, np.zeros(1, np.uint8))                # no such rank
+    refused(w.put, peer, np.zeros(1, np.uint8), signal=2)   # no such signal
+    refused(w.get, peer, np.zeros(1, np.uint8), 64)
+    refused(w.get, peer, np.zeros(4, np.uint8)[::2])        # not contiguous
+    refused(w.wait_signal, 5, 1)
+    refused(w.wait_signal, 0, -1)
+    t0, timed_out = time.monotonic(), False
+    try:
+        w.wait_signal(0, 1, timeout=0.3)
+    except comm.CommTimeout as e:
+        timed_out = "wait_signal" in str(e) and time.monotonic() - t0 < 3
+    w.fence()   # still usable after all of that
+    untouched = bool((buf == 9).all())
+    w.close()
+    try:
+        w.put(peer, np.zeros(1, np.uint8))
+    except comm.Closed:
+        closed = True
+    world.barrier()
+    return errors, timed_out, untouched, closed
+
+
+@pytest.mark.parametrize("name", ["cma", "tcp"])
+def test_refusals(cluster, name):
+    ops = ["put"] * 5 + ["get", "get", "wait_signal", "wait_signal"]
+    assert _cluster(cluster, name).run(_refusals) == [(ops, True, True, True)] * 2
+
+
+def _hostile(world):
+    """Rank 0's engine is told rank 1's window is larger than it is, and that a closed window
+    is open (as a buggy or hostile peer would act): rank 1's engine refuses, writes nothing,
+    and rank 0's flush names rank 1 and why."""
+    from comm import _native
+    me = world.rank
+    guard = np.full(96, 5, np.uint8)
+    window = guard[16:48]   # 32 bytes; the rest must never change
+    tw = world._transport.window(world._buf(window, "window", writable=True, what="window"), 4)
+    result = None
+    world.barrier()
+    if me == 0:
+        lie = [(0, 1 << 20, 0, 0, -1)] * 2
+        w = _native.window(world._transport._engine, 0, 0, 4)
+        lie[1] = (0, 1 << 20, tw.peers[1][2], os.getpid(), -1)   # rank 1's true window id
+        w.connect(lie)
+        w.put(1, np.zeros(64, np.uint8).ctypes.data, 64, 8, -1)   # 64 bytes at 8: past 32
+        try:
+            w.flush(1, 10.0)
+        except _native.NativeError as e:
+            result = ("outside its window" in str(e), e.args[1])
+        w.close()
+    world.barrier()
+    tw.close()
+    world.barrier()
+    if me == 0:   # rank 1's window is closed now: a put into it is refused too
+        w = _native.window(world._transport._engine, 0, 0, 4)
+        w.connect([(0, 64, 0, 0, -1), (0, 64, tw.peers[1][2], os.getpid(), -1)])
+        w.put(1, np.zeros(8, np.uint8).ctypes.data, 8, 0, -1)
+        try:
+            w.flush(1, 10.0)
+        except _native.NativeError as e:
+            result = result + ("no such window" in str(e),)
+        w.close()
+    world.barrier()
+    return result, bool((guard == 5).all())
+
+
+@pytest.mark.parametrize("name", ["tcp", "shm"])
+def test_target_refuses_what_its_origin_should_not_send(cluster, name):
+    assert _cluster(cluster, name).run(_hostile) == [((True, 1, True), True), (None, True)]
+
+
+def _put_to_dead_peer(world):
+    buf = np.zeros(1 << 20, np.uint8)
+    w = world.window(buf)
+    world.barrier()
+    if world.rank == 1:
+        os._exit(0)   # gone without a word
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    try:
+        for _ in range(50):
+            w.put(1, np.ones(1 << 20, np.uint8), signal=0)
+        w.flush()
+    except comm.PeerFailure as e:
+        return type(e).__name__, e.peer, time.monotonic() - t0 < 15
+    except comm.CommError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0 < 15
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_put_to_dead_peer_fails_within_the_timeout(name):
+    transport, env = SETUPS[name]
+    c = Cluster(2, transport, env=dict(env, COMM_TIMEOUT="10"))
+    try:
+        c.submit(_put_to_dead_peer)
+        out = c.collect([0], timeout=60)
+    finally:
+        c.close()
+    ok, value, _ = out[0]
+    assert ok and value == ("PeerFailure", 1, True), value
+
+
+def _closed_communicator(world):
+    buf = np.zeros(8, np.uint8)
+    w = world.window(buf)
+    world.revoke()
+    try:
+        w.put(0, np.zeros(1, np.uint8))
+    except comm.Revoked:
+        return True
+    return False
+
+
+def test_revoked_communicator_refuses_its_windows():
+    assert run_ranks(_closed_communicator, 2, timeout=60) == [True, True]
+
+
+def _all_pairs(world):
+    """Every rank puts into every other's window, with a signal: peers outside the engine's
+    plan (not connected at set-up) are connected on first use."""
+    before = sorted(world._transport.connected_peers())
+    buf = np.zeros(8 * world.size, np.uint8)
+    with world.window(buf, signals=1) as w:
+        for p in range(world.size):
+            if p != world.rank:
+                w.put(p, np.full(8, world.rank + 1, np.uint8), 8 * world.rank, signal=0)
+        w.wait_signal(0, world.size - 1, timeout=30)
+        w.flush()
+        ok = all((buf[8 * r:8 * r + 8] == (r + 1 if r != world.rank else 0)).all() for r in range(world.size))
+    return ok, len(before)
+
+
+@pytest.mark.slow
+def test_window_peers_are_connected_on_first_use():
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(str(unavailable()))
+    placement = [0, 0, 0, 0, 1, 1, 1, 1]   # 2 hosts x 4: rank 1's plan is 0, 2, 3 and 5 only
+    with NetnsCluster(2) as hosts:
+        c = Cluster(len(placement), netns=[hosts.ns[h] for h in placement], timeout=120,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_CONNECT": "lazy"})
+        try:
+            out = c.run(_all_pairs, timeout=240)
+        finally:
+            c.close()
+    assert all(ok for ok, _ in out), out
+    assert min(k for _, k in out) < len(placement) - 1, f"every rank was connected to every peer at set-up: {out}"
