@@ -36,8 +36,9 @@ AVERAGE_NAMES = {"0": 0, "rank0": 0, "1": 1, "avg": 1, "2": 2, "min": 2, "3": 3,
 
 EPILOG = """\
 transports: this library's by name (native, mpi, ucx, nccl, verbs), torch-comm (torch.distributed
-  on this library's backend "comm"), and the anchors gloo (torch.distributed) and mpi-raw (plain
-  mpi4py calls; needs an MPI launcher).
+  on this library's backend "comm"), and the anchors gloo (torch.distributed), mpi-raw (plain
+  mpi4py calls; needs an MPI launcher) and comm-p2p (this library's send / recv doing what the
+  one-sided benchmarks put, get, put_signal and kv do).
 launch: mpirun -np N python -m bench ... | torchrun --nproc-per-node N -m bench ... |
   srun -n N python -m bench ... | python -m bench --np N ... (self-launch; uses mpirun
   when mpi-raw is requested and an mpirun is found, unless --no-mpirun).
@@ -140,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
 # (--time-budget still cuts the slow anchors short).
 PRESETS = {"decode": {"minbytes": ("-b", "4K"), "maxbytes": ("-e", "256K"), "stepfactor": ("-f", "2"),
                       "datatype": ("-d", "bfloat16"), "iters": ("-n", "2000"), "warmup_iters": ("-w", "200"),
-                      "transport": ("--transport", "native,mpi-raw,gloo")}}
+                      "transport": ("--transport", "native,mpi-raw,gloo")},
+           # kv: the block sizes of a paged KV cache (16-256 KiB), each row a request of 32 blocks
+           "kv": {"minbytes": ("-b", "16K"), "maxbytes": ("-e", "256K"), "stepfactor": ("-f", "2"),
+                  "transport": ("--transport", "native,comm-p2p,mpi-raw")}}
 
 
 def _apply_presets(args, argv: list[str]) -> None:

@@ -66,7 +66,8 @@ def link_bound(benchmark: str, hosts: int, per_host: int, rate: str) -> float | 
     """The highest busbw (GB/s, nccl-tests' factors) that links of `rate` each way allow for
     `benchmark` on hosts x per_host ranks, counting what must leave each host: an all_reduce
     sends 2(H-1)/H of the buffer out of every host, reduce_scatter / all_gather (H-1)/H of the
-    whole, all_to_all per_host (H-1)/H of one rank's buffer, broadcast / reduce the buffer once.
+    whole, all_to_all per_host (H-1)/H of one rank's buffer, broadcast / reduce the buffer once,
+    and the one-sided ring benchmarks (put, get, kv) the buffer once, one rank per host.
     None for benchmarks it does not know. Raw link rate: TCP/IP headers take ~4% of it."""
     n, link = hosts * per_host, rate_bits(rate) / 8 / 1e9
     if hosts < 2:
@@ -76,6 +77,8 @@ def link_bound(benchmark: str, hosts: int, per_host: int, rate: str) -> float | 
     if benchmark in ("all_to_all", "all_to_all_v"):
         return (n - 1) / n * hosts / ((hosts - 1) * per_host) * link
     if benchmark in ("broadcast", "reduce"):
+        return link
+    if benchmark in ("put", "get", "kv"):   # a ring: one rank of each host sends across, each way
         return link
     return None
 

@@ -164,6 +164,24 @@ def _child_env() -> dict:
     return env
 
 
+def passive_rma_env(env: dict) -> dict:
+    """Open MPI's MCA settings for one-sided operations that progress without the target.
+
+    Open MPI serves MPI_Win_create with osc/ucx only on RDMA devices (opal_common_ucx_tls); on a
+    machine without one it takes osc/rdma, which emulates RMA with messages that the target
+    must answer from inside MPI: a put + flush waited 1 s for a target that slept 1 s, and the
+    bench's ranks, meeting between rows outside MPI, could wait on each other for good. So
+    where no RDMA device exists and the user set none of these, osc/ucx serves shared memory
+    and TCP too (the same put + flush: 0.05 ms), and pml stays ob1, what Open MPI picks here
+    anyway, so two-sided numbers do not change."""
+    if os.path.isdir("/sys/class/infiniband") and os.listdir("/sys/class/infiniband"):
+        return env
+    keys = ("OMPI_MCA_osc", "OMPI_MCA_pml", "OMPI_MCA_opal_common_ucx_tls", "OMPI_MCA_opal_common_ucx_devices")
+    if any(k in env for k in keys):
+        return env
+    return dict(env, **dict(zip(keys, ("ucx", "ob1", "any", "any"))))
+
+
 def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     """Run `python -m bench argv` as n local ranks; returns the job's exit status."""
     env = _child_env()
@@ -171,7 +189,7 @@ def self_launch(argv: list[str], n: int, use_mpirun: bool) -> int:
     child = [sys.executable, "-m", "bench"] + argv
     mpirun = find_mpirun() if use_mpirun else None
     if mpirun:
-        cmds = [(_mpirun_command(mpirun, n) + child, env)]
+        cmds = [(_mpirun_command(mpirun, n) + child, passive_rma_env(env))]
     else:
         cmds = [(child, dict(env, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r),
                              LOCAL_WORLD_SIZE=str(n))) for r in range(n)]

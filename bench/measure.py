@@ -118,6 +118,8 @@ def _measure_mode(bench: Benchmark, runner: Runner, ctl: Control, opts: Options,
         runner.barrier()   # every rank's inputs are rewritten before anyone's check run reads them
         case.run()
         wrong = case.check()
+    if case.close is not None:   # collective; after a failure the transport is measured no more
+        case.close()
     return seconds, iters, wrong
 
 
@@ -156,7 +158,10 @@ def warm_up(bench: Benchmark, runner: Runner, ctl: Control, opts: Options, p: Pa
     try:
         for mode in bench.modes:
             if not bench.unsupported(runner, p, mode == "in-place"):
-                time_case(bench.case(runner, p, mode == "in-place").run, runner, ctl, opts)
+                case = bench.case(runner, p, mode == "in-place")
+                time_case(case.run, runner, ctl, opts)
+                if case.close is not None:
+                    case.close()
                 return
     except StepFailed:
         raise

@@ -9,6 +9,11 @@ the hot path: they translate straight into one library call, nothing else.
                        library's backend "comm" (its CPU transport is COMM_TRANSPORT): what
                        torch's layer costs over the communicator's own calls
     MpiRawRunner       anchor: plain mpi4py calls on COMM_WORLD (needs an MPI launcher)
+    P2PRunner          anchor for the one-sided benchmarks: this library's send / recv (on
+                       COMM_TRANSPORT) doing the same transfers two-sided ("comm-p2p")
+
+The one-sided benchmarks' operations (open_window, put_flush, ...) are in bench/windows.py,
+one mixin per library.
 
 Adding a runner: subclass Runner, fill in `unavailable`, `setup`, `teardown`, `supports` and
 the operations, and add it to `make_runner`.
@@ -24,7 +29,9 @@ import numpy as np
 
 from comm.types import DType, ReduceOp
 
-ANCHORS = ("gloo", "mpi-raw")
+from .windows import ONE_SIDED, CommWindows, MemcpyWindows, MpiWindows, P2PWindows
+
+ANCHORS = ("gloo", "mpi-raw", "comm-p2p", "memcpy")
 TORCH_BACKENDS = {"torch-comm": "comm", "gloo": "gloo"}   # runner name -> torch.distributed backend
 NAMES = ("torch-comm",) + ANCHORS   # the runners that are not one of this library's transports
 MPI_LAUNCHERS = ("openmpi", "hydra", "slurm")
@@ -79,7 +86,7 @@ def _torch_view(arr: np.ndarray, dtype: DType):
     return t.view(torch.bfloat16) if dtype is DType.BFLOAT16 else t
 
 
-class CommRunner(Runner):
+class CommRunner(CommWindows, Runner):
     """This library: comm.init(transport=name) and the Communicator's calls."""
 
     kind = "comm"
@@ -118,6 +125,10 @@ class CommRunner(Runner):
             from transports import base
             if OpKind[bench.upper()] not in base.get(self.name).kinds:
                 return f"transport {self.name} has no {bench}"
+        if bench in ONE_SIDED:
+            from transports import base
+            if base.get(self.name).window is base.Transport.window:
+                return f"transport {self.name} has no one-sided windows"
         return None
 
     def wrap(self, arr, dtype):
@@ -287,6 +298,8 @@ class TorchRunner(Runner):
         self.store = None
 
     def supports(self, bench, dtype, op, in_place):
+        if bench in ONE_SIDED:
+            return "torch.distributed has no one-sided operations"
         if dtype is DType.INT16 and self.backend == "gloo":
             return "gloo has no int16"
         if op is not None and op not in self.ops:
@@ -339,7 +352,7 @@ def _done(work) -> None:
         work.wait()
 
 
-class MpiRawRunner(Runner):
+class MpiRawRunner(MpiWindows, Runner):
     """Anchor: the MPI library itself through plain mpi4py buffer calls on a dup of COMM_WORLD."""
 
     name, kind = "mpi-raw", "anchor"
@@ -453,6 +466,46 @@ def _displaced(counts) -> tuple[list[int], list[int]]:
     return list(counts), displs
 
 
+class P2PRunner(P2PWindows, CommRunner):
+    """Anchor of the one-sided benchmarks: this library's send / recv on COMM_TRANSPORT moving
+    the same bytes (a receive posted for each), so a window's gain over two-sided is one ratio."""
+
+    kind = "anchor"
+
+    def __init__(self):
+        from comm import config
+        super().__init__("comm-p2p")
+        self.transport = config.get("COMM_TRANSPORT")
+
+    def unavailable(self, launcher):
+        from transports import base
+        return base.unavailable_reason(self.transport)
+
+    def setup(self, rank, size, addr, port, timeout):
+        import comm
+        Runner.setup(self, rank, size, addr, port, timeout)
+        self.world = comm.init(rank=rank, world_size=size, master_addr=addr, master_port=port,
+                               transport=self.transport, timeout=timeout)
+
+    def supports(self, bench, dtype, op, in_place):
+        return None if bench in ONE_SIDED else "one-sided benchmarks only (put, get, put_signal, kv)"
+
+    def wrap(self, arr, dtype):
+        return arr.view(np.uint8)   # bytes, as a window holds them: a receive must match its send's dtype
+
+
+class MemcpyRunner(MemcpyWindows, Runner):
+    """Anchor of put, get and kv: the same bytes copied within this rank's memory."""
+
+    name, kind = "memcpy", "anchor"
+
+    def supports(self, bench, dtype, op, in_place):
+        return None if bench in ("put", "get", "kv") else "a local copy: put, get and kv only"
+
+    def wrap(self, arr, dtype):
+        return arr.view(np.uint8)
+
+
 def make_runner(name: str, persistent: bool = False, async_op: bool = False) -> Runner:
     """async_op (--async): every library's asynchronous form, waited for at once; with
     persistent, this library's h.start(); h.wait()."""
@@ -460,6 +513,10 @@ def make_runner(name: str, persistent: bool = False, async_op: bool = False) -> 
         return TorchRunner(name, async_op)
     if name == "mpi-raw":
         return MpiRawRunner(async_op)
+    if name == "comm-p2p":
+        return P2PRunner()
+    if name == "memcpy":
+        return MemcpyRunner()
     if persistent:
         return PersistentCommRunner(name, async_op)
     return AsyncCommRunner(name) if async_op else CommRunner(name)

@@ -219,7 +219,7 @@ def test_single_rank_everything(tmp_path):
                      *([] if NO_PLOT else ["--plot", str(png)])])
     assert rc == 0, text
     for name in BENCHMARKS:
-        if name != "sendrecv":   # needs two ranks
+        if BENCHMARKS[name].min_ranks <= 1:   # sendrecv and the one-sided rows need two ranks
             assert all(r[8] in ("0", "N/A") and r[12] in ("0", "N/A") for r in _table_rows(text, name)), name
     assert ("# Comparison: all_reduce float sum: busbw (GB/s), in-place, median of 3 interleaved repetitions, "
             "ratio range in (); ratio = speed relative to gloo") in text
@@ -354,7 +354,7 @@ def _bench_rc(args, *, hide: str = "", timeout=120):
 
 
 @pytest.mark.parametrize("args, why", [
-    (["--transport", "native,nonesuch"], "--transport: unknown 'nonesuch'; known: native, mpi, ucx, nccl, verbs, torch-comm, gloo, mpi-raw"),
+    (["--transport", "native,nonesuch"], "--transport: unknown 'nonesuch'; known: native, mpi, ucx, nccl, verbs, torch-comm, gloo, mpi-raw, comm-p2p, memcpy"),
     (["-b", "64M", "-e", "8"], "no size to measure: -b 67108864 is larger than -e 8"),
     (["all_reduce", "all_reducee"], "unknown benchmark all_reducee"),
     (["-d", "float128"], "unknown dtype 'float128'"),
@@ -486,3 +486,19 @@ def test_under_mpirun():
                      "--transport", "mpi-raw,native", *QUICK])
     _check_tables(out, ["mpi-raw", "native"])
     assert "# Comparison: all_to_all_v float" in out and "native/mpi-raw" in out
+
+
+@pytest.mark.skipif(NO_MPI_RAW is not None, reason=f"mpi-raw: {NO_MPI_RAW}")
+def test_one_sided_rows_side_by_side():
+    """put, get, put_signal and kv: comm's windows, MPI RMA, comm's send / recv and a memcpy in
+    one interleaved sweep, every transfer checked at its target."""
+    out, _ = _bench([PY, "-m", "bench", "--np", "2", "put", "get", "put_signal", "kv", "-b", "8", "-e", "4K",
+                     "-f", "512", "--transport", "native,mpi-raw,comm-p2p,memcpy", *QUICK])
+    assert "FAILED" not in out
+    for bench in ("put", "get", "put_signal", "kv"):
+        assert f"# Comparison: {bench} float" in out, out
+    rows = [line.split() for line in out.splitlines() if line and line[0] == " " and len(line.split()) == 13]
+    assert {r[0] for r in rows} >= {"8", "4096", str(8 * 32), str(4096 * 32)}   # kv: 32 blocks a row
+    assert all(r[8] == "0" for r in rows), out       # every row checked, nothing wrong
+    assert "memcpy: not run" not in out.split("# Collective test: put_signal")[0]
+    assert "# memcpy put_signal float none: not run: a local copy: put, get and kv only" in out

