@@ -100,7 +100,7 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   }
   if (!blocking) {
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
-    if (driving_) wake();  // a sleeping driver must see the new op
+    if (driving_ || listener_asleep_) wake();  // a sleeping driver (or listener) must see the new op
     else cv_.notify_all();
     return op;
   }
@@ -113,6 +113,22 @@ void P2P::wait(const std::shared_ptr<Op>& op) {
   std::unique_lock<std::mutex> lock(mu_);
   finish_on_caller(lock, op);
   op->rethrow();
+}
+
+bool P2P::drive_until(const std::function<bool()>& done) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
+  if (broken_) throw *broken_;
+  if (driving_ && thread_driving_ && !done()) {  // as finish_on_caller: the p2p thread hands over
+    handoffs_++;
+    wake();
+    cv_.wait(lock, [&] { return !driving_ || done(); });
+    handoffs_--;
+  }
+  if (done()) return true;
+  if (driving_) return false;
+  drive(lock, nullptr, &done);
+  return true;
 }
 
 // A blocking caller drives until `op` is done, unless another caller drives already (then it
@@ -159,12 +175,20 @@ void P2P::thread_loop() {
   }
 }
 
-// Drives until `until` is done (a blocking caller) or nothing is pending (the thread).
-void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
+// Drives until `until` is done or done() (a blocking caller), or nothing is pending (the
+// thread; it returns early when a caller took the role while it slept as a listener).
+void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until, const std::function<bool()>* done) {
+  const bool caller = until || done;
   driving_ = true;
-  thread_driving_ = !until;
+  thread_driving_ = !caller;
   Backoff spins;
-  while (until ? !until->test() : (pending_ > 0 || listening()) && !handoffs_) {
+  bool moved = false;  // since this drive began
+  auto more = [&] {
+    if (until) return !until->test();
+    if (done) return !broken_ && !(*done)();
+    return (pending_ > 0 || listening()) && !handoffs_;
+  };
+  while (more()) {
     if (stopping_) {
       fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
       break;
@@ -172,17 +196,27 @@ void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
     try {
       if (pass()) {
         spins = Backoff{};
+        moved = true;
         continue;
       }
-      idle(lock, spins);
+      if (!idle(lock, spins, caller, moved)) return;  // a caller drives now; the thread waits
     } catch (const CommError& e) {
       if (!lock.owns_lock()) lock.lock();
+      if (done && e.code == ErrorCode::INTERRUPTED) {  // Ctrl-C in wait_signal: no stream broke
+        release_driver();
+        throw;
+      }
       fail_all(e);
     }
   }
+  release_driver();
+}
+
+void P2P::release_driver() {
   driving_ = thread_driving_ = false;
   // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
   if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
+  if (pending_ > 0 && listener_asleep_) wake();  // it sleeps in poll(), not on cv_
   cv_.notify_all();
 }
 
@@ -420,10 +454,11 @@ void P2P::fail_all(const CommError& e) {
 
 // Nothing moved: wait (without the lock, so others can post) until a stream is ready, a
 // post wakes us, or a sleep slice passes; timeouts are checked by the next pass().
-void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
+bool P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins, bool caller, bool moved) {
   std::vector<std::pair<Channel*, bool>> probes;  // (channel, is_send) that could move
   std::vector<pollfd> fds;
   bool shm_pending = false;
+  bool stateful = false;  // a channel whose ready() arms events (UCX, verbs): one thread only
   for (const PeerState& ps : peers_) {
     if (!ps.ch) continue;
     const bool sending = !ps.sends.empty();
@@ -431,6 +466,7 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     if (sending) probes.push_back({ps.ch, true});
     const auto& socks = ps.ch->sockets();
     if (socks.empty() || ps.ch->polled()) shm_pending = true;
+    stateful |= ps.ch->polled();
     for (int fd : socks)
       fds.push_back({fd, static_cast<short>(ps.ch->poll_events(false) | (sending ? ps.ch->poll_events(true) : 0)), 0});
   }
@@ -448,24 +484,53 @@ void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
     }
     return false;
   };
-  const bool listening_only = pending_ == 0;
-  if (listening_only && spins.calls > 0 && Clock::now() - spins.start > kListenYield) {
-    // Only listening for one-sided traffic, and quiet for a while: sleep at once (a peer's
-    // bytes wake the poll or the futex). Spinning would take the cores, and this lock, from
-    // the application; yielding for a moment first catches the next message of a burst.
+  const bool listening_only = pending_ == 0 && !caller;
+  bool asleep = false;
+  if (listening_only && (!moved || (spins.calls > 0 && Clock::now() - spins.start > kListenYield))) {
+    // Only listening for one-sided traffic, and quiet (for a while, or since it began: a
+    // listener that moved nothing does not yield): sleep at once (a peer's bytes wake the poll
+    // or the futex). Spinning or yielding would take the cores, and this lock, from the
+    // application; yielding for a moment after a message catches the next one of a burst.
     spins.calls = std::max(spins.calls, 1 << 20);
     spins.start = Clock::time_point{};
+    // Asleep, the thread lets go of the driver role: a blocking send / recv, a flush or a
+    // wait_signal drives at once on its own thread instead of waking this one and waiting
+    // for the hand-over (2 ranks, shm: 8 B send -> recv with a window open 136-229 us before).
+    // Only where ready() is a plain look (shared memory, sockets), safe beside a driver.
+    if (!stateful) {
+      asleep = true;
+      driving_ = thread_driving_ = false;
+      listener_asleep_ = true;
+      cv_.notify_all();
+    }
   }
   const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
   lock.unlock();
-  c_.idle(spins, ready, &fds, &none, !listening_only && (shm_pending || fds.empty()));  // sockets alone: poll() at once
-  lock.lock();
+  auto retake = [&] {  // after the sleep: the role again, unless a caller has it now
+    lock.lock();
+    listener_asleep_ = false;
+    if (driving_) return false;
+    driving_ = thread_driving_ = true;
+    return true;
+  };
+  try {
+    c_.idle(spins, ready, &fds, &none, !listening_only && (shm_pending || fds.empty()));  // sockets alone: poll() at once
+  } catch (const CommError&) {
+    if (asleep && !retake()) return false;  // the driving caller meets the failure itself
+    throw;
+  }
+  if (asleep) {
+    if (!retake()) return false;
+  } else {
+    lock.lock();
+  }
   for (int p = 0; p < c_.size; p++) {
     const PeerState& ps = peers_[p];
     if (ps.ch && ps.ch->sockets().empty()) c_.check_closed_peer(p, [&] { return stuck(ps); });
     // After a pass found nothing to move (pass() runs before every idle()).
     else if (ps.ch && ps.ch->flushed_before_goodbye()) c_.check_closed_peer(p, [&] { return busy(ps); });
   }
+  return true;
 }
 
 // Work pending with this peer.

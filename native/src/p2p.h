@@ -23,6 +23,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -70,10 +71,17 @@ class P2P {
   // The origin's side of a put (buf, len: the source), get (the destination) or flush to
   // `peer`'s window `id`. The op ends when the put's bytes were sent, the get's arrived, the
   // flush was answered (the target answers after everything before it in the stream landed).
+  // When nobody drives, the message is sent on the caller's thread at once (no wake-up of the
+  // p2p thread on the latency path); what is left goes to the p2p thread, unless `waits`: the
+  // caller waits for the op right after (wait()) and drives it then.
   std::shared_ptr<Op> post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
-                                  uint64_t len, int32_t signal);
+                                  uint64_t len, int32_t signal, bool waits = false);
   // Waits for an op of post_window() as a blocking send does: this thread drives.
   void wait(const std::shared_ptr<Op>& op);
+  // Drives on this thread (as a blocking recv) until done() (called under the engine's lock,
+  // also between sleep slices of at most 20 ms) or a failure; false, at once, when another
+  // caller drives. Ctrl-C (INTERRUPTED) is thrown without failing the streams.
+  bool drive_until(const std::function<bool()>& done);
   // The first failure of send / recv / one-sided traffic, thrown (nothing when none).
   void check_broken();
   void wake();  // abort: the driver notices at once instead of after its sleep slice
@@ -116,7 +124,8 @@ class P2P {
     std::vector<char> discard;
   };
 
-  void drive(std::unique_lock<std::mutex>& lock, const Op* until);
+  void drive(std::unique_lock<std::mutex>& lock, const Op* until, const std::function<bool()>* done = nullptr);
+  void release_driver();
   void finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op);
   void thread_loop();
   bool pass();  // one non-blocking sweep over every peer; true if anything moved
@@ -130,7 +139,8 @@ class P2P {
   void accept(int peer, const WireHeader& h, const Pending& want);
   void finish(Pending& p, std::optional<CommError> error = std::nullopt);
   void fail_all(const CommError& e);
-  void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
+  // false: this thread was a sleeping listener and a caller took the driver role meanwhile.
+  bool idle(std::unique_lock<std::mutex>& lock, Backoff& spins, bool caller, bool moved);
   bool stuck(const PeerState& ps) const;
   bool window_message(int peer);  // a one-sided header arrived; true when it has no body
   void window_landed(int peer);   // a put's body landed
@@ -152,6 +162,9 @@ class P2P {
   bool driving_ = false;
   bool thread_driving_ = false;  // the driver is the p2p thread (not a blocking caller)
   int handoffs_ = 0;             // blocking callers waiting for the p2p thread to hand over
+  // The p2p thread only listens and sleeps in poll() / on the futex WITHOUT the driver role,
+  // so a blocking caller drives at once; it takes the role back when it wakes, if still free.
+  bool listener_asleep_ = false;
   bool stopping_ = false;
   std::optional<CommError> broken_;
   std::thread thread_;
