@@ -101,7 +101,7 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   if (!blocking) {
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
     if (driving_ || listener_asleep_) wake();  // a sleeping driver (or listener) must see the new op
-    else cv_.notify_all();
+    else thread_cv_.notify_one();
     return op;
   }
   finish_on_caller(lock, op);
@@ -161,6 +161,7 @@ void P2P::stop() {
   stopping_ = true;
   wake();
   cv_.notify_all();
+  thread_cv_.notify_one();
   cv_.wait(lock, [&] { return !driving_; });  // a caller's thread may be driving
   lock.unlock();
   if (thread_.joinable()) thread_.join();
@@ -168,10 +169,22 @@ void P2P::stop() {
 
 void P2P::thread_loop() {
   std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_ && !handoffs_); });
-    if (stopping_) break;
-    drive(lock, nullptr);
+  while (!stopping_) {
+    const bool free = !driving_ && !handoffs_;
+    if (free && pending_ > 0) {
+      drive(lock, nullptr);
+    } else if (free && listening()) {
+      const auto quiet = last_release_ + kListenGrace;  // see kListenGrace
+      if (Clock::now() >= quiet) {
+        drive(lock, nullptr);
+      } else {
+        thread_timed_ = true;
+        thread_cv_.wait_until(lock, quiet);
+        thread_timed_ = false;
+      }
+    } else {
+      thread_cv_.wait(lock);  // nothing to do, or a caller drives: its release wakes us
+    }
   }
 }
 
@@ -213,11 +226,16 @@ void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until, const std::
 }
 
 void P2P::release_driver() {
+  const bool caller = !thread_driving_;
   driving_ = thread_driving_ = false;
   // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
   if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
-  if (pending_ > 0 && listener_asleep_) wake();  // it sleeps in poll(), not on cv_
-  cv_.notify_all();
+  if (pending_ > 0 && listener_asleep_) wake();  // it sleeps in poll(), not on a condition
+  if (caller) {
+    last_release_ = Clock::now();
+    if (pending_ > 0 || (listening() && !thread_timed_)) thread_cv_.notify_one();
+  }
+  cv_.notify_all();  // callers waiting for a hand-over, stop()
 }
 
 bool P2P::pass() {

@@ -50,6 +50,12 @@ constexpr uint8_t kWinUnknown = 1, kWinOutside = 2;
 // the last byte moved, then sleeps until the next arrives.
 constexpr auto kListenYield = std::chrono::microseconds(200);
 
+// After a blocking caller (send / recv, flush, wait_signal) let go of the driver role, the p2p
+// thread waits this long before it listens again: the application is likely to drive again at
+// once (a ping-pong), and a listener asleep in poll() would wake on every message it drives.
+// A put arriving meanwhile waits at most this long (or until the application drives).
+constexpr auto kListenGrace = std::chrono::microseconds(200);
+
 // Unexpected (not yet received) message bytes kept in memory, all peers together.
 constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
@@ -165,6 +171,11 @@ class P2P {
   // The p2p thread only listens and sleeps in poll() / on the futex WITHOUT the driver role,
   // so a blocking caller drives at once; it takes the role back when it wakes, if still free.
   bool listener_asleep_ = false;
+  // The p2p thread waits on its own condition (not cv_, which callers waiting for a hand-over
+  // use), so a caller's release of the role does not wake it every time (kListenGrace).
+  std::condition_variable thread_cv_;
+  bool thread_timed_ = false;            // the thread waits out kListenGrace, no notify needed
+  Clock::time_point last_release_{};     // when a caller last let go of the role
   bool stopping_ = false;
   std::optional<CommError> broken_;
   std::thread thread_;

@@ -21,7 +21,7 @@ void P2P::add_window(uint32_t id, WindowMemory* w) {
     had_window_ = true;
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   }
-  cv_.notify_all();
+  thread_cv_.notify_one();
   wake();
 }
 
@@ -102,7 +102,7 @@ std::shared_ptr<Op> P2P::post_window(int peer, uint8_t kind, uint32_t id, uint64
     wake();  // a sleeping driver must see the new op
   } else if (pending_ > 0 && !waits) {  // the rest is the p2p thread's
     if (listener_asleep_) wake();
-    else cv_.notify_all();
+    else thread_cv_.notify_one();
   }
   return op;
 }
