@@ -156,14 +156,18 @@ def threads(world) -> None:
 
 
 def sigint(world) -> None:
-    """Rank 0 blocks in MODE (a collective, Work.wait or recv) that rank 1 never joins; rank 1
-    blocks in a receive rank 0 never sends. The test sends rank 0 SIGINT."""
+    """Rank 0 blocks in MODE (a collective, Work.wait, recv, or wait_signal on a window) that
+    rank 1 never joins; rank 1 blocks in a receive rank 0 never sends. The test sends rank 0
+    SIGINT."""
     # Python turns SIGINT into KeyboardInterrupt only when SIGINT was not ignored at start-up,
     # and children inherit an ignored SIGINT (nohup, `... &`, some CI runners): this rank
     # asks for the handler it is testing.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     mode = os.environ["MODE"]
     x = np.ones(4, np.float32)
+    # wait_signal: a window open on both ranks; rank 0 then waits on a signal no one sends
+    # (over TCP or shm without CMA its thread drives the engine meanwhile, as a recv does)
+    w = world.window(np.zeros(64, np.uint8), signals=2) if mode == "wait_signal" else None
     world.barrier()
     if RANK == 1:
         try:
@@ -178,11 +182,20 @@ def sigint(world) -> None:
             world.all_reduce(x)
         elif mode == "wait":
             world.all_reduce(x, async_op=True).wait()
+        elif mode == "wait_signal":
+            w.wait_signal(1, 1)
         else:
             world.recv(x, 1)
         report(interrupted=None)
     except KeyboardInterrupt:
         report(interrupted=time.time())
+    if mode == "wait_signal":  # the communicator stays usable: its streams must be intact
+        try:
+            world.send(x, 1, tag=7)
+            report(after="sent")
+        except comm.CommError as e:
+            report(after=type(e).__name__)
+        return
     try:
         world.all_reduce(x)
     except comm.CommError as e:

@@ -100,8 +100,8 @@ std::shared_ptr<Op> P2P::post(OpArgs a, bool blocking) {
   }
   if (!blocking) {
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
-    if (driving_) wake();  // a sleeping driver must see the new op
-    else cv_.notify_all();
+    if (driving_ || listener_asleep_) wake();  // a sleeping driver (or listener) must see the new op
+    else thread_cv_.notify_one();
     return op;
   }
   finish_on_caller(lock, op);
@@ -113,77 +113,6 @@ void P2P::wait(const std::shared_ptr<Op>& op) {
   std::unique_lock<std::mutex> lock(mu_);
   finish_on_caller(lock, op);
   op->rethrow();
-}
-
-// A blocking caller drives until `op` is done, unless another caller drives already (then it
-// waits: that driver completes the op, or fails it by its deadline).
-void P2P::finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op) {
-  if (driving_ && thread_driving_ && !op->test()) {
-    // The p2p thread drives (a window keeps it listening): it hands over to this caller
-    // (no thread hop per message on the latency path).
-    handoffs_++;
-    wake();
-    cv_.wait(lock, [&] { return !driving_ || op->test(); });
-    handoffs_--;
-  }
-  if (!driving_ && !op->test()) {
-    drive(lock, op.get());
-  } else if (!op->test()) {
-    lock.unlock();
-    op->wait(-1);
-  }
-}
-
-void P2P::wake() {
-  const uint64_t one = 1;
-  (void)!write(wake_fd_, &one, sizeof one);
-  if (c_.shm) c_.shm->interrupt();
-}
-
-void P2P::stop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  stopping_ = true;
-  wake();
-  cv_.notify_all();
-  cv_.wait(lock, [&] { return !driving_; });  // a caller's thread may be driving
-  lock.unlock();
-  if (thread_.joinable()) thread_.join();
-}
-
-void P2P::thread_loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || ((pending_ > 0 || listening()) && !driving_ && !handoffs_); });
-    if (stopping_) break;
-    drive(lock, nullptr);
-  }
-}
-
-// Drives until `until` is done (a blocking caller) or nothing is pending (the thread).
-void P2P::drive(std::unique_lock<std::mutex>& lock, const Op* until) {
-  driving_ = true;
-  thread_driving_ = !until;
-  Backoff spins;
-  while (until ? !until->test() : (pending_ > 0 || listening()) && !handoffs_) {
-    if (stopping_) {
-      fail_all(CommError(ErrorCode::CLOSED, -1, "the communicator was closed"));
-      break;
-    }
-    try {
-      if (pass()) {
-        spins = Backoff{};
-        continue;
-      }
-      idle(lock, spins);
-    } catch (const CommError& e) {
-      if (!lock.owns_lock()) lock.lock();
-      fail_all(e);
-    }
-  }
-  driving_ = thread_driving_ = false;
-  // Whatever is still pending goes to the p2p thread; stop() may be waiting for us.
-  if ((pending_ > 0 || listening()) && !thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
-  cv_.notify_all();
 }
 
 bool P2P::pass() {
@@ -416,72 +345,6 @@ void P2P::fail_all(const CommError& e) {
     for (Pending& p : q) finish(p, e);
   any_recvs_.clear();
   parked_bytes_ = 0;
-}
-
-// Nothing moved: wait (without the lock, so others can post) until a stream is ready, a
-// post wakes us, or a sleep slice passes; timeouts are checked by the next pass().
-void P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins) {
-  std::vector<std::pair<Channel*, bool>> probes;  // (channel, is_send) that could move
-  std::vector<pollfd> fds;
-  bool shm_pending = false;
-  for (const PeerState& ps : peers_) {
-    if (!ps.ch) continue;
-    const bool sending = !ps.sends.empty();
-    probes.push_back({ps.ch, false});
-    if (sending) probes.push_back({ps.ch, true});
-    const auto& socks = ps.ch->sockets();
-    if (socks.empty() || ps.ch->polled()) shm_pending = true;
-    for (int fd : socks)
-      fds.push_back({fd, static_cast<short>(ps.ch->poll_events(false) | (sending ? ps.ch->poll_events(true) : 0)), 0});
-  }
-  if (!fds.empty()) {
-    fds.push_back({wake_fd_, POLLIN, 0});
-    for (const Peer& p : c_.peers)
-      if (p.monitor_fd >= 0 && !p.said_goodbye) fds.push_back({p.monitor_fd, POLLIN, 0});
-    if (shm_pending) fds.push_back({-1, 0, 0});  // shared memory cannot wake poll(): poll briefly
-  }
-  auto ready = [&] {
-    for (auto [ch, is_send] : probes) {
-      Transfer probe;
-      probe.is_send = is_send;
-      if (ch->ready(probe)) return true;
-    }
-    return false;
-  };
-  const bool listening_only = pending_ == 0;
-  if (listening_only && spins.calls > 0 && Clock::now() - spins.start > kListenYield) {
-    // Only listening for one-sided traffic, and quiet for a while: sleep at once (a peer's
-    // bytes wake the poll or the futex). Spinning would take the cores, and this lock, from
-    // the application; yielding for a moment first catches the next message of a burst.
-    spins.calls = std::max(spins.calls, 1 << 20);
-    spins.start = Clock::time_point{};
-  }
-  const Deadline none;  // op deadlines are enforced by pass(); this only bounds the sleep
-  lock.unlock();
-  c_.idle(spins, ready, &fds, &none, !listening_only && (shm_pending || fds.empty()));  // sockets alone: poll() at once
-  lock.lock();
-  for (int p = 0; p < c_.size; p++) {
-    const PeerState& ps = peers_[p];
-    if (ps.ch && ps.ch->sockets().empty()) c_.check_closed_peer(p, [&] { return stuck(ps); });
-    // After a pass found nothing to move (pass() runs before every idle()).
-    else if (ps.ch && ps.ch->flushed_before_goodbye()) c_.check_closed_peer(p, [&] { return busy(ps); });
-  }
-}
-
-// Work pending with this peer.
-bool P2P::busy(const PeerState& ps) const {
-  return !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER || !ps.sends.empty() ||
-         !ps.win_gets.empty() || !ps.win_flushes.empty();
-}
-
-// Pending work with this peer that its stream cannot move now.
-bool P2P::stuck(const PeerState& ps) const {
-  Transfer probe;
-  const bool receiving = !ps.recvs.empty() || ps.target || ps.stage != Stage::HEADER ||
-                         !ps.win_gets.empty() || !ps.win_flushes.empty();
-  if (receiving && !ps.ch->ready(probe)) return true;
-  probe.is_send = true;
-  return !ps.sends.empty() && !ps.ch->ready(probe);
 }
 
 }  // namespace comm

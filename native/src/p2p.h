@@ -23,6 +23,7 @@
 
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -49,6 +50,12 @@ constexpr uint8_t kWinUnknown = 1, kWinOutside = 2;
 // the last byte moved, then sleeps until the next arrives.
 constexpr auto kListenYield = std::chrono::microseconds(200);
 
+// After a blocking caller (send / recv, flush, wait_signal) let go of the driver role, the p2p
+// thread waits this long before it listens again: the application is likely to drive again at
+// once (a ping-pong), and a listener asleep in poll() would wake on every message it drives.
+// A put arriving meanwhile waits at most this long (or until the application drives).
+constexpr auto kListenGrace = std::chrono::microseconds(200);
+
 // Unexpected (not yet received) message bytes kept in memory, all peers together.
 constexpr size_t kMaxParkedBytes = size_t{256} << 20;
 
@@ -70,10 +77,17 @@ class P2P {
   // The origin's side of a put (buf, len: the source), get (the destination) or flush to
   // `peer`'s window `id`. The op ends when the put's bytes were sent, the get's arrived, the
   // flush was answered (the target answers after everything before it in the stream landed).
+  // When nobody drives, the message is sent on the caller's thread at once (no wake-up of the
+  // p2p thread on the latency path); what is left goes to the p2p thread, unless `waits`: the
+  // caller waits for the op right after (wait()) and drives it then.
   std::shared_ptr<Op> post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
-                                  uint64_t len, int32_t signal);
+                                  uint64_t len, int32_t signal, bool waits = false);
   // Waits for an op of post_window() as a blocking send does: this thread drives.
   void wait(const std::shared_ptr<Op>& op);
+  // Drives on this thread (as a blocking recv) until done() (called under the engine's lock,
+  // also between sleep slices of at most 20 ms) or a failure; false, at once, when another
+  // caller drives. Ctrl-C (INTERRUPTED) is thrown without failing the streams.
+  bool drive_until(const std::function<bool()>& done);
   // The first failure of send / recv / one-sided traffic, thrown (nothing when none).
   void check_broken();
   void wake();  // abort: the driver notices at once instead of after its sleep slice
@@ -116,7 +130,8 @@ class P2P {
     std::vector<char> discard;
   };
 
-  void drive(std::unique_lock<std::mutex>& lock, const Op* until);
+  void drive(std::unique_lock<std::mutex>& lock, const Op* until, const std::function<bool()>* done = nullptr);
+  void release_driver();
   void finish_on_caller(std::unique_lock<std::mutex>& lock, const std::shared_ptr<Op>& op);
   void thread_loop();
   bool pass();  // one non-blocking sweep over every peer; true if anything moved
@@ -130,7 +145,8 @@ class P2P {
   void accept(int peer, const WireHeader& h, const Pending& want);
   void finish(Pending& p, std::optional<CommError> error = std::nullopt);
   void fail_all(const CommError& e);
-  void idle(std::unique_lock<std::mutex>& lock, Backoff& spins);
+  // false: this thread was a sleeping listener and a caller took the driver role meanwhile.
+  bool idle(std::unique_lock<std::mutex>& lock, Backoff& spins, bool caller, bool moved);
   bool stuck(const PeerState& ps) const;
   bool window_message(int peer);  // a one-sided header arrived; true when it has no body
   void window_landed(int peer);   // a put's body landed
@@ -152,6 +168,14 @@ class P2P {
   bool driving_ = false;
   bool thread_driving_ = false;  // the driver is the p2p thread (not a blocking caller)
   int handoffs_ = 0;             // blocking callers waiting for the p2p thread to hand over
+  // The p2p thread only listens and sleeps in poll() / on the futex WITHOUT the driver role,
+  // so a blocking caller drives at once; it takes the role back when it wakes, if still free.
+  bool listener_asleep_ = false;
+  // The p2p thread waits on its own condition (not cv_, which callers waiting for a hand-over
+  // use), so a caller's release of the role does not wake it every time (kListenGrace).
+  std::condition_variable thread_cv_;
+  bool thread_timed_ = false;            // the thread waits out kListenGrace, no notify needed
+  Clock::time_point last_release_{};     // when a caller last let go of the role
   bool stopping_ = false;
   std::optional<CommError> broken_;
   std::thread thread_;

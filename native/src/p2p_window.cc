@@ -21,7 +21,7 @@ void P2P::add_window(uint32_t id, WindowMemory* w) {
     had_window_ = true;
     if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
   }
-  cv_.notify_all();
+  thread_cv_.notify_one();
   wake();
 }
 
@@ -42,7 +42,7 @@ void P2P::remove_window(uint32_t id) {
 }
 
 std::shared_ptr<Op> P2P::post_window(int peer, uint8_t kind, uint32_t id, uint64_t offset, char* buf,
-                                     uint64_t len, int32_t signal) {
+                                     uint64_t len, int32_t signal, bool waits) {
   std::unique_lock<std::mutex> lock(mu_);
   if (stopping_) fail(ErrorCode::CLOSED, -1, "the communicator is closed");
   if (broken_) throw *broken_;
@@ -85,9 +85,25 @@ std::shared_ptr<Op> P2P::post_window(int peer, uint8_t kind, uint32_t id, uint64
     op = ps.win_flushes.back().op;
   }
   ps.sends.push_back(std::move(msg));
+  if (!driving_) {
+    // Nobody drives (the listener sleeps): send on this thread now, as a blocking send would,
+    // instead of waking the p2p thread for it (2 ranks over TCP, 8 B put with signal -> the
+    // target sees it: 209-269 us with the wake-up, against 29-33 us for send -> recv).
+    driving_ = true;
+    try {
+      pass();
+    } catch (const CommError& e) {
+      fail_all(e);
+    }
+    driving_ = false;
+  }
   if (!thread_.joinable()) thread_ = std::thread([this] { thread_loop(); });
-  if (driving_) wake();
-  else cv_.notify_all();
+  if (driving_) {
+    wake();  // a sleeping driver must see the new op
+  } else if (pending_ > 0 && !waits) {  // the rest is the p2p thread's
+    if (listener_asleep_) wake();
+    else thread_cv_.notify_one();
+  }
   return op;
 }
 

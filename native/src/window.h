@@ -88,6 +88,7 @@ class Window {
   size_t seg_bytes_ = 0;
   std::vector<WindowPeer> peers_;
   std::vector<char*> peer_segs_;  // mapped signal segments of direct peers
+  bool any_direct_ = false;       // some peer adds to the signals itself (not a message)
   std::vector<char> dirty_;       // peers with message-path operations since their last flush
   std::mutex mu_;                 // dirty_ and close against the operations
   bool closed_ = false;
