@@ -28,22 +28,36 @@ void fail_errno(const std::string& what) {
   fail(ErrorCode::SYSTEM, -1, what + ": " + std::strerror(errno));
 }
 
-bool read_process(int pid, uint64_t addr, void* dst, size_t bytes) {
-  char* to = static_cast<char*>(dst);
+namespace {
+
+// Moves `bytes` between `local` and `addr` of process `pid` with `call` (process_vm_readv or
+// process_vm_writev), retrying interrupted and partial transfers.
+template <class Call>
+bool whole(int pid, uint64_t addr, char* local, size_t bytes, Call call) {
   while (bytes > 0) {
-    iovec local{to, bytes};
-    iovec remote{reinterpret_cast<void*>(addr), bytes};
-    const ssize_t n = process_vm_readv(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
+    iovec here{local, bytes};
+    iovec there{reinterpret_cast<void*>(addr), bytes};
+    const ssize_t n = call(static_cast<pid_t>(pid), &here, 1, &there, 1, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       if (n == 0) errno = 0;
       return false;
     }
-    to += n;
+    local += n;
     addr += static_cast<uint64_t>(n);
     bytes -= static_cast<size_t>(n);
   }
   return true;
+}
+
+}  // namespace
+
+bool read_process(int pid, uint64_t addr, void* dst, size_t bytes) {
+  return whole(pid, addr, static_cast<char*>(dst), bytes, process_vm_readv);
+}
+
+bool write_process(int pid, uint64_t addr, const char* src, size_t bytes) {
+  return whole(pid, addr, const_cast<char*>(src), bytes, process_vm_writev);
 }
 
 void fail_unreadable(int peer) {

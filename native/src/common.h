@@ -47,6 +47,8 @@ struct CommError : std::exception {
 // Copies `bytes` at `addr` of process `pid` into `dst` (process_vm_readv: one copy between
 // processes); false, with errno set (0 for a short read), when they cannot all be read.
 bool read_process(int pid, uint64_t addr, void* dst, size_t bytes);
+// The same towards the process (process_vm_writev): `bytes` from `src` to its `addr`.
+bool write_process(int pid, uint64_t addr, const char* src, size_t bytes);
 // PEER_FAILURE: the memory of rank `peer` could not be read (errno from read_process).
 [[noreturn]] void fail_unreadable(int peer);
 

@@ -5,7 +5,6 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 #include <climits>
@@ -19,25 +18,6 @@ namespace {
 SignalHeader* header(char* seg) { return reinterpret_cast<SignalHeader*>(seg); }
 std::atomic<uint64_t>* counter(char* seg, uint32_t k) {
   return reinterpret_cast<std::atomic<uint64_t>*>(seg + kSignalHeaderBytes) + k;
-}
-
-// Writes `bytes` from `src` to `addr` of process `pid` (process_vm_writev); false with errno
-// set (0 for a short write) when they cannot all be written.
-bool write_process(int pid, uint64_t addr, const char* src, size_t bytes) {
-  while (bytes > 0) {
-    iovec local{const_cast<char*>(src), bytes};
-    iovec remote{reinterpret_cast<void*>(addr), bytes};
-    const ssize_t n = process_vm_writev(static_cast<pid_t>(pid), &local, 1, &remote, 1, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      if (n == 0) errno = 0;
-      return false;
-    }
-    src += n;
-    addr += static_cast<uint64_t>(n);
-    bytes -= static_cast<size_t>(n);
-  }
-  return true;
 }
 
 std::string who(int peer) { return "rank " + std::to_string(peer); }
