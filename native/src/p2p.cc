@@ -144,7 +144,7 @@ bool P2P::pass() {
   for (int p = 0; p < c_.size; p++) {
     if (!peers_[p].ch) continue;
     moved |= progress_sends(p);
-    moved |= progress_inbound(p);
+    if (!peers_[p].left) moved |= progress_inbound(p);
   }
   return moved;
 }

@@ -109,6 +109,7 @@ class P2P {
   enum class Stage { HEADER, UNDECIDED, BODY };
   struct PeerState {
     Channel* ch = nullptr;
+    bool left = false;  // its stream ended after its goodbye, heard while only listening
     std::deque<Pending> sends;                 // wire order = posting order
     RecvQueues recvs;                          // posted, not yet matched, by tag
     std::map<int, std::deque<Parked>> parked;  // arrived, not yet received, by tag
@@ -145,6 +146,7 @@ class P2P {
   void accept(int peer, const WireHeader& h, const Pending& want);
   void finish(Pending& p, std::optional<CommError> error = std::nullopt);
   void fail_all(const CommError& e);
+  bool left_cleanly(const CommError& e);
   // false: this thread was a sleeping listener and a caller took the driver role meanwhile.
   bool idle(std::unique_lock<std::mutex>& lock, Backoff& spins, bool caller, bool moved);
   bool stuck(const PeerState& ps) const;
