@@ -58,7 +58,7 @@ def _python_path(folder: str) -> str:
 
 
 def collectives_and_messages(world, version):
-    """all_reduce (inline and large payloads), all_to_all and send/recv on the UCX of `version`."""
+    """all_reduce (inline and large payloads), all_to_all, send/recv and a window on the UCX of `version`."""
     from comm import _native
     from transports.ucx import UCXTransport
     problems, r, n = [], world.rank, world.size
@@ -85,6 +85,19 @@ def collectives_and_messages(world, version):
         w.wait()
         if not (into == np.arange(count, dtype=np.float64) + peer).all():
             problems.append(f"rank {r}: recv of {count} from {peer} wrong")
+    # a window over this UCX's RMA (rkeys, ucp_put_nbx / ucp_get_nbx, an atomic signal)
+    pool = np.zeros(1 << 16, np.uint8)
+    with world.window(pool) as win:
+        if win._tw.paths[peer] != "rma":
+            problems.append(f"rank {r}: window reaches rank {peer} by {win._tw.paths[peer]}, not rma")
+        win.put(peer, np.full(1 << 16, r + 1, np.uint8), signal=0)
+        win.flush(peer)   # the get below reads what this put wrote
+        win.wait_signal(0, 1, timeout=20)
+        back = np.zeros(1 << 16, np.uint8)
+        win.get(peer, back)
+        win.flush()
+        if not ((pool == peer + 1).all() and (back == r + 1).all()):
+            problems.append(f"rank {r}: window put / get wrong")
     return problems
 
 

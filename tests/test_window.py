@@ -17,16 +17,28 @@ from harness import Cluster, engine_param, run_ranks
 from harness import slow as slow_params
 
 SETUPS = {"cma": ("native", {}), "shm": ("native", {"COMM_CMA": "0"}),
-          "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {})}
+          "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {}),
+          "ucx-messages": ("ucx", {"COMM_WINDOW_RMA": "0"})}   # UCX's fallback: the p2p stream
 
 
 def _params(slow=()):
-    return [engine_param(name, channels="ucx" if name == "ucx" else "auto", slow=name in slow) for name in SETUPS]
+    return [engine_param(name, channels="ucx" if name.startswith("ucx") else "auto", slow=name in slow)
+            for name in SETUPS]
 
 
 def _cluster(cluster, name, n=2):
     transport, env = SETUPS[name]
     return cluster(n, transport, env=dict(env, COMM_TIMEOUT="20"))
+
+
+def _rma_over_ucx(world, w):
+    """Over UCX every peer's window is reached by RMA (ucp_put_nbx / ucp_get_nbx / atomics on
+    exchanged rkeys), or with COMM_WINDOW_RMA=0 by the fallback (p2p messages): the case below
+    exercises the path it names, not the other one."""
+    if world.transport == "ucx":
+        paths = [p for r, p in enumerate(w._tw.paths) if r != world.rank]
+        want = "rma" if os.environ.get("COMM_WINDOW_RMA", "1") == "1" else "message"
+        assert paths == [want] * (world.size - 1), w._tw.paths
 
 
 def _pattern(rank, n, salt=0):
@@ -46,6 +58,7 @@ def _edges(world):
         written[p] = _pattern((p - 1) % n, 4096 + 8 * p, 1)
         written[p][-1] = 200 + (p - 1) % n
     with world.window(buf, signals=4) as w:
+        _rma_over_ucx(world, w)
         assert w.sizes == tuple(4096 + 8 * p for p in range(n))
         world.barrier()
         p = (me + 1) % n
@@ -81,6 +94,7 @@ def _many(world, count, block):
     buf = np.zeros(n * count * block, np.uint8)   # origin o, put i -> block (o * count + i)
     srcs = [[_pattern(me, block, i + 97 * p) for i in range(count)] for p in range(n)]
     with world.window(buf) as w:
+        _rma_over_ucx(world, w)
         for i in range(count):            # interleaved: every peer has many in flight at once
             for p in range(n):
                 w.put(p, srcs[p][i], (me * count + i) * block, signal=me)
@@ -94,13 +108,13 @@ def _many(world, count, block):
     return ok, counts
 
 
-@pytest.mark.parametrize("name", _params(slow=("ucx",)))
+@pytest.mark.parametrize("name", _params(slow=("ucx", "ucx-messages")))
 def test_many_puts_in_flight(cluster, name):
     n = 3
     assert _cluster(cluster, name, n).run(_many, 200, 96) == [(True, [200] * n)] * n
 
 
-@pytest.mark.parametrize("name", _params(slow=("ucx",)))
+@pytest.mark.parametrize("name", _params(slow=("ucx", "ucx-messages")))
 def test_large_puts_and_gets(cluster, name):
     """Blocks past the p2p rings and the TCP socket buffers (several MiB each)."""
     assert _cluster(cluster, name, 3).run(_many, 2, (2 << 20) + 5) == [(True, [2, 2, 2])] * 3
@@ -111,6 +125,7 @@ def _target_sleeps(world):
     the target's engine does the work."""
     buf = np.zeros(1 << 16, np.uint8)
     with world.window(buf) as w:
+        _rma_over_ucx(world, w)
         world.barrier()
         if world.rank == 1:
             time.sleep(1.5)
@@ -123,9 +138,67 @@ def _target_sleeps(world):
         return bool((back == 7).all()), time.monotonic() - t0 < 1.0
 
 
-@pytest.mark.parametrize("name", ["shm", "tcp"])
+@pytest.mark.parametrize("name", ["shm", "tcp", engine_param("ucx", channels="ucx")])
 def test_target_application_does_nothing(cluster, name):
     assert _cluster(cluster, name).run(_target_sleeps) == [(True, True), (True, 1)]
+
+
+def _data_before_signal(world, count, block):
+    """Rank 0 puts `count` blocks into rank 1's window, each with signal 0 and no flush in
+    between; rank 1 checks block i the moment the counter reaches i + 1 (data, then signal)."""
+    buf = np.zeros(count * block, np.uint8)
+    with world.window(buf) as w:
+        _rma_over_ucx(world, w)
+        world.barrier()
+        if world.rank == 0:
+            srcs = [_pattern(0, block, i) for i in range(count)]
+            for i in range(count):
+                w.put(1, srcs[i], i * block, signal=0)
+            w.flush()
+            first_bad = -1
+        else:
+            first_bad = -1
+            for i in range(count):
+                w.wait_signal(0, i + 1, timeout=20)
+                if first_bad < 0 and not np.array_equal(buf[i * block:(i + 1) * block], _pattern(0, block, i)):
+                    first_bad = i
+        world.barrier()
+    return first_bad
+
+
+@pytest.mark.parametrize("name", [engine_param("ucx", channels="ucx"), *slow_params("tcp")])
+def test_signal_follows_its_data(cluster, name):
+    """Large puts (fragmented, several in flight) each signal after their own bytes landed."""
+    assert _cluster(cluster, name).run(_data_before_signal, 12, (1 << 20) + 3) == [-1, -1]
+
+
+def _window_outlives_communicator(world):
+    """A window left open when its communicator closes: the teardown releases its keys and
+    registrations first (UCX: rkeys before their endpoints, memory before the context), and
+    the window refuses later use instead of reaching freed state."""
+    buf = np.zeros(4096, np.uint8)
+    w = world.window(buf)
+    _rma_over_ucx(world, w)
+    w.put(1 - world.rank, np.full(4096, 3, np.uint8), signal=0)
+    w.flush()
+    w.wait_signal(0, 1, timeout=20)
+    world.barrier()
+    world.close()
+    try:
+        w.put(1 - world.rank, np.zeros(8, np.uint8))
+        w.flush()
+    except comm.CommError as e:
+        refused = type(e).__name__
+    else:
+        refused = None
+    return bool((buf == 3).all()), refused
+
+
+@pytest.mark.parametrize("name", [engine_param("ucx", channels="ucx"), "tcp"])
+def test_window_left_open_at_communicator_close(name):
+    transport, env = SETUPS[name]
+    assert run_ranks(_window_outlives_communicator, 2, transport=transport,
+                     env=dict(env, COMM_TIMEOUT="20")) == [(True, "Closed")] * 2
 
 
 # ---- a random sequence of puts and gets against a model ----------------------------------------
@@ -138,6 +211,7 @@ def _replay(world, ops, size):
     model = np.zeros((n, size), np.uint8)
     first_bad = -1   # every rank goes on to the end: the fences stay collective
     with world.window(buf) as w:
+        _rma_over_ucx(world, w)
         for step in range(0, len(ops), 8):
             gets = []
             batch = ops[step:step + 8]
@@ -177,7 +251,7 @@ def _sequences(draw, n=2, size=512):
     return ops
 
 
-@pytest.mark.parametrize("name", ["cma", "shm", *slow_params("tcp")])
+@pytest.mark.parametrize("name", ["cma", "shm", engine_param("ucx", channels="ucx"), *slow_params("tcp")])
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=_sequences())
 def test_random_sequences_against_a_model(cluster, name, ops):
@@ -223,6 +297,7 @@ def _refusals(world):
     buf = np.full(64, 9, np.uint8)
     errors = []
     w = world.window(buf, signals=2)
+    _rma_over_ucx(world, w)
 
     def refused(fn, *args, **kw):
         try:
@@ -257,7 +332,7 @@ def _refusals(world):
     return errors, timed_out, untouched, closed
 
 
-@pytest.mark.parametrize("name", ["cma", "tcp"])
+@pytest.mark.parametrize("name", ["cma", "tcp", engine_param("ucx", channels="ucx")])
 def test_refusals(cluster, name):
     ops = ["put"] * 5 + ["get", "get", "wait_signal", "wait_signal"]
     assert _cluster(cluster, name).run(_refusals) == [(ops, True, True, True)] * 2
@@ -309,6 +384,7 @@ def test_target_refuses_what_its_origin_should_not_send(cluster, name):
 def _put_to_dead_peer(world):
     buf = np.zeros(1 << 20, np.uint8)
     w = world.window(buf)
+    _rma_over_ucx(world, w)
     world.barrier()
     if world.rank == 1:
         os._exit(0)   # gone without a word

@@ -138,7 +138,8 @@ class NativeWindow(TransportWindow):
         except _native.NativeError as e:
             raise _convert(e, self._rank, "window") from None
         transport._windows += 1
-        me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals]
+        # The last entry: the net's RMA key (hex; empty where the net has none, native/src/rma.h).
+        me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.rma_key.hex()]
         infos = [json.loads(v) for v in transport._ctx.store.all_gather(
             f"native/window{transport._windows}", json.dumps(me).encode())]
         counts = {i[5] for i in infos}
@@ -147,7 +148,13 @@ class NativeWindow(TransportWindow):
             raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
                                   "must pass the same signals=", rank=self._rank, op="window")
         self.peers = [tuple(i[:5]) for i in infos]   # (address, size, id, pid, signal fd) per rank
-        self._call("window", self._w.connect, self.peers)
+        keys = [bytes.fromhex(i[6]) for i in infos] if config.get("COMM_WINDOW_RMA") else []
+        self._call("window", self._w.connect, self.peers, keys)
+        # How this rank reaches each peer's window ("self", "cma", "rma" or "message"): said
+        # once under COMM_DEBUG=1, and asserted by the tests that the path they mean ran.
+        self.paths = tuple(self._w.path(p) for p in range(len(infos)))
+        log.debug(self._rank, f"window {transport._windows}: peers reached by "
+                              f"{', '.join(f'{p}={path}' for p, path in enumerate(self.paths))}")
         # Nobody may close its signal segment (a window dropped at once) before every local
         # peer has mapped it: set-up ends together.
         transport._ctx.store.all_gather(f"native/window{transport._windows}/mapped", b"")

@@ -899,15 +899,22 @@ NB_MODULE(_native, m) {
   nb::class_<Window>(m, "Window")
       .def_prop_ro("id", &Window::id)
       .def_prop_ro("signal_fd", &Window::signal_fd)
+      .def_prop_ro(
+          "rma_key", [](const Window& w) { return nb::bytes(w.rma_key().data(), w.rma_key().size()); },
+          "What peers need to reach this window by RMA (b'' where the net has none).")
+      .def("path", &Window::path, nb::arg("peer"), "How this rank reaches peer's window: self, cma, rma or message.")
       .def(
           "connect",
-          [](Window& w, const std::vector<WindowPeerTuple>& peers) {
+          [](Window& w, const std::vector<WindowPeerTuple>& peers, const std::vector<nb::bytes>& keys) {
             std::vector<WindowPeer> all;
             for (const auto& [addr, size, id, pid, fd] : peers) all.push_back({addr, size, id, pid, fd});
+            std::vector<std::string> rma_keys;
+            for (const nb::bytes& k : keys) rma_keys.emplace_back(k.c_str(), k.size());
             nb::gil_scoped_release unlocked;
-            w.connect(all);
+            w.connect(all, rma_keys);
           },
-          nb::arg("peers"), "Every rank's (address, size, window id, pid, signal segment fd), in rank order.")
+          nb::arg("peers"), nb::arg("keys") = std::vector<nb::bytes>{},
+          "Every rank's (address, size, window id, pid, signal segment fd) and rma_key, in rank order.")
       .def("put", &Window::put, nb::arg("peer"), nb::arg("src"), nb::arg("nbytes"), nb::arg("offset"),
            nb::arg("signal"), release())
       .def("get", &Window::get, nb::arg("peer"), nb::arg("dst"), nb::arg("nbytes"), nb::arg("offset"), release())

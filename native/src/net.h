@@ -12,6 +12,7 @@
 #include <string>
 
 #include "channel.h"
+#include "rma.h"
 
 namespace comm {
 
@@ -45,6 +46,12 @@ class Net {
     return nullptr;
   }
   virtual void deregister_memory(void* handle) { (void)handle; }
+  // One-sided (rma.h): a window's memory registered for the peers to reach by RMA, or null
+  // where the net has no RMA or cannot register that memory (the window then sends messages).
+  virtual std::unique_ptr<RmaWindow> rma_window(const RmaMemory& mem) {
+    (void)mem;
+    return nullptr;
+  }
   // What the library sees on this machine (transports, devices), for `python -m comm.doctor`.
   virtual std::string describe() const = 0;
   // In a forked child: drop the parent's library state without touching it (no goodbye,

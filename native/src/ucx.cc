@@ -32,8 +32,24 @@
 
 #include "net.h"
 #include "ucx_library.h"
+#include "window_ucx.h"
 
 namespace comm {
+
+// A UCX failure as the engine's error: truncation means the ranks disagree on a size,
+// a timeout is a timeout, anything else broke the connection to `peer`.
+void fail_status(const Ucp& u, ucs_status_t st, int peer, const char* what) {
+  const std::string them = "rank " + std::to_string(peer);
+  if (st == UCS_ERR_MESSAGE_TRUNCATED)
+    fail(ErrorCode::MISMATCH, peer,
+         "a message from " + them + " is larger than the receive posted for it (ranks called "
+         "the operation with different sizes)");
+  const std::string msg = std::string("UCX ") + what + " with " + them + " failed: " + u.ucs_status_string(st);
+  if (st == UCS_ERR_TIMED_OUT || st == UCS_ERR_ENDPOINT_TIMEOUT)
+    fail(ErrorCode::TIMEOUT, peer, msg + " (the peer is hung or unreachable)");
+  if (st == UCS_ERR_CANCELED) fail(ErrorCode::ABORTED, peer, msg);
+  fail(ErrorCode::PEER_FAILURE, peer, msg + ": the peer process died or closed its communicator");
+}
 
 namespace {
 
@@ -58,21 +74,6 @@ constexpr size_t kMaxDrainBytes = size_t{256} << 20;
 // A clean close flushes each endpoint; a peer that stopped progressing cannot hold us longer.
 constexpr auto kCloseWait = std::chrono::milliseconds(500);
 
-// A UCX failure as the engine's error: truncation means the ranks disagree on a size,
-// a timeout is a timeout, anything else broke the connection to `peer`.
-[[noreturn]] void fail_status(const Ucp& u, ucs_status_t st, int peer, const char* what) {
-  const std::string them = "rank " + std::to_string(peer);
-  if (st == UCS_ERR_MESSAGE_TRUNCATED)
-    fail(ErrorCode::MISMATCH, peer,
-         "a message from " + them + " is larger than the receive posted for it (ranks called "
-         "the operation with different sizes)");
-  const std::string msg = std::string("UCX ") + what + " with " + them + " failed: " + u.ucs_status_string(st);
-  if (st == UCS_ERR_TIMED_OUT || st == UCS_ERR_ENDPOINT_TIMEOUT)
-    fail(ErrorCode::TIMEOUT, peer, msg + " (the peer is hung or unreachable)");
-  if (st == UCS_ERR_CANCELED) fail(ErrorCode::ABORTED, peer, msg);
-  fail(ErrorCode::PEER_FAILURE, peer, msg + ": the peer process died or closed its communicator");
-}
-
 struct Worker {
   ucp_worker_h h = nullptr;
   std::vector<int> efd;  // one descriptor: the worker's events (sockets() of its channels)
@@ -81,8 +82,9 @@ struct Worker {
 
 class UcxChannel final : public Channel {
  public:
+  // rma: the net's RMA windows, told of this endpoint (p2p channels only; else null).
   UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote, bool same_host,
-             int stripes);
+             int stripes, std::shared_ptr<UcxRmaHub> rma);
   ~UcxChannel() override;
   // True when UCX itself moved anything, not only when `t` advanced: a message can take many
   // progress calls to drain from UCX's shared-memory queue (a bounded number of fragments per
@@ -131,6 +133,7 @@ class UcxChannel final : public Channel {
 
   const Ucp& u_;
   Worker& w_;
+  std::shared_ptr<UcxRmaHub> rma_;
   const uint64_t my_tag_, peer_tag_;
   const bool peer_errors_;  // UCX reports this peer's failure (off on one host: see connect)
   std::vector<ucp_ep_h> eps_;  // to the peer's worker; more than one across hosts (COLL)
@@ -173,8 +176,8 @@ class UcxChannel final : public Channel {
 };
 
 UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::string& remote,
-                       bool same_host, int stripes)
-    : Channel(peer), u_(u), w_(w), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
+                       bool same_host, int stripes, std::shared_ptr<UcxRmaHub> rma)
+    : Channel(peer), u_(u), w_(w), rma_(std::move(rma)), my_tag_(uint64_t(rank) << 32), peer_tag_(uint64_t(peer) << 32),
       peer_errors_(!same_host), send_req_(1 + stripes, nullptr), send_bounce_(kHeader + kInlineBytes),
       reads_(same_host),
       cookie_(reinterpret_cast<uint64_t>(this) ^ (uint64_t(getpid()) << 40) ^ 0x5eedc0de5eedc0deULL),
@@ -201,10 +204,12 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
     }
     eps_.push_back(ep);
   }
+  if (rma_) rma_->endpoint(peer, eps_[0]);
 }
 
 UcxChannel::~UcxChannel() {
   if (forgotten_) return;
+  if (rma_) rma_->endpoint_closing(peer_);  // rkeys unpacked on the endpoint go before it
   // UCX completes a freed request internally (the worker's destruction at last).
   std::vector<void*> receives{recv_req_, answer_req_}, sends{answer_out_req_};
   receives.insert(receives.end(), payload_req_.begin(), payload_req_.end());
@@ -501,6 +506,9 @@ class UcxNet final : public Net {
   NetCaps caps() const override { return NetCaps{}; }  // host memory: the engine reduces on the CPU
   std::string address() const override;
   std::unique_ptr<Channel> connect(int peer, Stream stream, const std::string& remote, bool same_host) override;
+  std::unique_ptr<RmaWindow> rma_window(const RmaMemory& mem) override {
+    return rma_ ? open_ucx_rma_window(rma_, mem) : nullptr;
+  }
   std::string describe() const override;
   void forget() override {
     forgotten_ = true;
@@ -513,6 +521,7 @@ class UcxNet final : public Net {
   const int endpoints_;  // per remote peer on the collective stream
   ucp_context_h ctx_ = nullptr;
   Worker workers_[2];
+  std::shared_ptr<UcxRmaHub> rma_;  // windows over the p2p worker (window_ucx.h)
   void release();
   std::vector<UcxChannel*> channels_;  // owned by the engine's peers, destroyed before us
   bool forgotten_ = false;
@@ -539,7 +548,8 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  // RMA and 64-bit atomics: windows' puts, gets and signals (window_ucx.cc).
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA | UCP_FEATURE_AMO64;
   p.mt_workers_shared = 1;  // the two workers are driven by different threads
   // The floor's API: the engine uses nothing newer (an older library than the API asked for
   // would warn).
@@ -549,7 +559,9 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   for (Worker& w : workers_) {
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // one thread at a time (the engine's rule)
+    // One thread at a time (the engine's rule), except on the p2p worker, where a window's
+    // caller posts RMA and progresses it while the p2p driver may be in the worker too.
+    wp.thread_mode = &w == &workers_[1] ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SERIALIZED;
     st = u_.ucp_worker_create(ctx_, &wp, &w.h);
     int fd = -1;
     if (st == UCS_OK) st = u_.ucp_worker_get_efd(w.h, &fd);
@@ -564,6 +576,7 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
     w.address.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
     u_.ucp_worker_release_address(w.h, attr.address);
   }
+  rma_ = std::make_shared<UcxRmaHub>(u_, ctx_, workers_[1].h);
 }
 
 UcxNet::~UcxNet() {
@@ -571,6 +584,7 @@ UcxNet::~UcxNet() {
 }
 
 void UcxNet::release() {
+  if (rma_) rma_->release();  // windows' registrations before the context goes
   for (Worker& w : workers_)
     if (w.h) u_.ucp_worker_destroy(w.h), w.h = nullptr;
   if (ctx_) u_.ucp_cleanup(ctx_), ctx_ = nullptr;
@@ -594,7 +608,8 @@ std::unique_ptr<Channel> UcxNet::connect(int peer, Stream stream, const std::str
   // Both ends stripe alike: the fewer endpoints of the two (they may have been set apart).
   const int fewer = std::clamp<int>(std::min<uint32_t>(head[0], endpoints_), 1, kMaxStripes);
   const int stripes = same_host || stream == Stream::P2P ? 1 : fewer;
-  auto ch = std::make_unique<UcxChannel>(u_, workers_[static_cast<int>(stream)], peer, rank_, addr, same_host, stripes);
+  auto ch = std::make_unique<UcxChannel>(u_, workers_[static_cast<int>(stream)], peer, rank_, addr, same_host, stripes,
+                                         stream == Stream::P2P ? rma_ : nullptr);
   channels_.push_back(ch.get());
   return ch;
 }

@@ -31,7 +31,10 @@ constexpr unsigned kUcxImmediateInfoMinor = 16, kUcxTransportSettingsMinor = 17;
   X(ucp_worker_query) X(ucp_worker_release_address) X(ucp_worker_progress)                    \
   X(ucp_worker_get_efd) X(ucp_worker_arm) X(ucp_ep_create) X(ucp_ep_close_nbx)                \
   X(ucp_tag_send_nbx) X(ucp_tag_recv_nbx) X(ucp_request_check_status)                         \
-  X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)
+  X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)  \
+  X(ucp_mem_map) X(ucp_mem_unmap) X(ucp_rkey_pack) X(ucp_rkey_buffer_release)                 \
+  X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) X(ucp_put_nbx) X(ucp_get_nbx) X(ucp_atomic_op_nbx) \
+  X(ucp_ep_flush_nbx)
 
 // libucp's entry points, resolved once per library path.
 struct Ucp {

@@ -7,6 +7,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <climits>
 #include <cstring>
 #include <string>
@@ -57,6 +60,9 @@ Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, u
     fail_errno("mmap window signal segment");
   }
   mem_.seg = static_cast<char*>(p);
+  // Registered before any peer learns of it, as below; a net without RMA, or memory it cannot
+  // register, leaves rma_ null: messages then.
+  if (c_.net) rma_ = c_.net->rma_window(RmaMemory{mem_.base, size, mem_.seg, seg_bytes_, kSignalHeaderBytes});
   // Open to puts before any peer learns of it (a peer may put as soon as its exchange ends).
   try {
     p2p_.add_window(id_, &mem_);
@@ -82,9 +88,22 @@ bool Window::direct(int peer) const {
   return c_.cma && c_.shm && peer != c_.rank && c_.shm->local_index(peer) >= 0;
 }
 
-void Window::connect(const std::vector<WindowPeer>& peers) {
-  if (peers.size() != static_cast<size_t>(c_.size))
+bool Window::rma(int peer) const { return rma_ && peer != c_.rank && !direct(peer) && rma_->reaches(peer); }
+
+const std::string& Window::rma_key() const {
+  static const std::string none;
+  return rma_ ? rma_->key() : none;
+}
+
+const char* Window::path(int peer) const {
+  if (peer == c_.rank) return "self";
+  return direct(peer) ? "cma" : rma(peer) ? "rma" : "message";
+}
+
+void Window::connect(const std::vector<WindowPeer>& peers, const std::vector<std::string>& keys) {
+  if (peers.size() != static_cast<size_t>(c_.size) || (!keys.empty() && keys.size() != peers.size()))
     fail(ErrorCode::INVALID_ARGUMENT, -1, "window: one entry per rank expected");
+  if (rma_) rma_->connect(keys);  // no keys: no peer is reached by RMA
   peers_ = peers;
   peer_segs_.assign(c_.size, nullptr);
   for (int p = 0; p < c_.size; p++) {
@@ -103,6 +122,23 @@ void Window::connect(const std::vector<WindowPeer>& peers) {
     if (m == MAP_FAILED) fail_errno("mmap the window signals of " + who(p));
     peer_segs_[p] = static_cast<char*>(m);
   }
+}
+
+// An RMA completion is waited for as a blocking recv waits: this thread drives the p2p engine
+// (whose channels progress the net's worker; one thread in it at a time), until done(), a
+// failure of the engine, a dead or aborted peer, Ctrl-C or the bound (TIMEOUT).
+RmaWait Window::rma_wait(double timeout_s) {
+  Deadline dl;
+  dl.at = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  return [this, dl](const std::function<bool()>& done) {
+    auto finished = [&] { return done() || Clock::now() >= dl.at; };
+    while (!done()) {
+      if (!p2p_.drive_until(finished)) sched_yield();  // another caller drives: it progresses
+      p2p_.check_broken();
+      c_.check_alive(dl);  // TIMEOUT once the bound passed
+      check_signals();
+    }
+  };
 }
 
 void Window::check_open(const char* op) const {
@@ -147,6 +183,7 @@ void Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int sig
     return;
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);  // connected on first use
+  if (rma(peer)) return rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s));
   p2p_.post_window(peer, kWinPut, peers_[peer].id, offset, const_cast<char*>(from), len, signal);
   dirty_[peer] = 1;
 }
@@ -165,6 +202,7 @@ void Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
     return;
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);
+  if (rma(peer)) return rma_->get(peer, to, len, offset);
   p2p_.post_window(peer, kWinGet, peers_[peer].id, offset, to, len, -1);
   dirty_[peer] = 1;
 }
@@ -179,6 +217,18 @@ void Window::flush(int peer, double timeout_s) {
       if (!dirty_[p]) continue;  // direct peers and self: every copy ended in its call
       answers.push_back({p, p2p_.post_window(p, kWinFlush, peers_[p].id, 0, nullptr, 0, -1, drives)});
       dirty_[p] = 0;
+    }
+  }
+  if (rma_) {
+    // After the messages were posted: both kinds complete together.
+    try {
+      rma_->flush(peer, rma_wait(timeout_s));
+    } catch (const CommError& e) {
+      if (e.code == ErrorCode::TIMEOUT)
+        fail(ErrorCode::TIMEOUT, peer, "flush: RMA to " + (peer < 0 ? std::string("the peers") : who(peer)) +
+                                           " did not complete within " + std::to_string(timeout_s) +
+                                           " s (COMM_TIMEOUT): a peer is hung, or its engine cannot progress");
+      throw;
     }
   }
   for (auto& [p, op] : answers) {
@@ -270,6 +320,7 @@ void Window::close() {
   if (closed_) return;
   closed_ = true;
   p2p_.remove_window(id_);  // a put arriving later names an unknown window: refused, never written
+  if (rma_) rma_->close();  // its keys reach nothing after this
 }
 
 }  // namespace comm

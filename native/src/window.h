@@ -10,7 +10,9 @@
 //   stream (p2p.h, WinKind), which the TARGET's p2p driver writes into the window and counts
 //   into its signals, with no help from the target's application thread. Stream order gives
 //   "data, then its signal" and a flush that the target answers after everything before it
-//   landed. The target checks window id, offset, length and signal index again.
+//   landed. The target checks window id, offset, length and signal index again;
+// - a peer of a net with RMA (UCX, rma.h): the origin's net writes and reads the peer's
+//   registered memory and adds to its counters itself (window_ucx.cc), no engine message.
 #pragma once
 
 #include <sys/types.h>
@@ -24,6 +26,7 @@
 
 #include "comm.h"
 #include "p2p.h"
+#include "rma.h"
 
 namespace comm {
 
@@ -65,8 +68,13 @@ class Window {
 
   uint32_t id() const { return id_; }
   int signal_fd() const { return fd_; }
-  // Every rank's window (collective: each rank calls it with the same list).
-  void connect(const std::vector<WindowPeer>& peers);
+  // What peers need to reach this window by RMA (rma.h); empty when the net has none.
+  const std::string& rma_key() const;
+  // Every rank's window and rma_key() (collective: each rank calls it with the same lists;
+  // `keys` may be empty: no RMA).
+  void connect(const std::vector<WindowPeer>& peers, const std::vector<std::string>& keys);
+  // How this rank reaches `peer`'s window: "self", "cma", "rma" or "message".
+  const char* path(int peer) const;
   void put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal);
   void get(int peer, uintptr_t dst, uint64_t len, uint64_t offset);
   void flush(int peer, double timeout_s);  // peer -1: every peer
@@ -76,7 +84,9 @@ class Window {
 
  private:
   bool direct(int peer) const;  // same host, CMA: the origin copies itself
+  bool rma(int peer) const;     // the net reaches the peer's memory (rma_)
   void check_open(const char* op) const;
+  RmaWait rma_wait(double timeout_s);
   void check_args(const char* op, int peer, uint64_t len, uint64_t offset) const;
   [[noreturn]] void copy_failed(const char* op, int peer);
   Comm& c_;
@@ -89,6 +99,7 @@ class Window {
   std::vector<WindowPeer> peers_;
   std::vector<char*> peer_segs_;  // mapped signal segments of direct peers
   bool any_direct_ = false;       // some peer adds to the signals itself (not a message)
+  std::unique_ptr<RmaWindow> rma_;  // this window registered with the net, if it has RMA
   std::vector<char> dirty_;       // peers with message-path operations since their last flush
   std::mutex mu_;                 // dirty_ and close against the operations
   bool closed_ = false;

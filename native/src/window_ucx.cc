@@ -1,0 +1,313 @@
+// A window over UCX RMA (window_ucx.h): this rank's window and signal segment registered with
+// ucp_mem_map, their rkeys packed for the peers; a peer's rkeys unpacked on the endpoint of its
+// p2p channel the first time this rank reaches it. put -> ucp_put_nbx, get -> ucp_get_nbx, a
+// signal -> ucp_worker_fence, then a 64-bit atomic add (UCP_ATOMIC_OP_ADD) on the peer's
+// counter, flush -> ucp_ep_flush_nbx, progressed on the caller's thread.
+//
+// Where the fabric has no RMA of its own (TCP, and shared memory for memory UCX did not
+// allocate: what runs here) UCX emulates it with active messages, which the TARGET's worker
+// must progress: its p2p driver does (it listens for one-sided traffic once a window exists),
+// so the target's application thread does nothing here either.
+#include "window_ucx.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+namespace comm {
+
+namespace {
+
+std::string who(int peer) { return "rank " + std::to_string(peer); }
+
+// A key: [u64 base][u64 size][u64 seg][u64 counter offset][u32 n][window rkey: n bytes]
+// [u32 m][segment rkey: m bytes]. A window of 0 bytes has no window rkey (n = 0).
+struct Key {
+  uint64_t base = 0, size = 0, seg = 0, counters = 0;
+  std::string win, sig;  // packed rkeys
+};
+
+std::string pack_key(const Key& k) {
+  std::string out;
+  auto put64 = [&](uint64_t v) { out.append(reinterpret_cast<const char*>(&v), sizeof v); };
+  auto put_bytes = [&](const std::string& s) {
+    const uint32_t n = static_cast<uint32_t>(s.size());
+    out.append(reinterpret_cast<const char*>(&n), sizeof n);
+    out += s;
+  };
+  put64(k.base), put64(k.size), put64(k.seg), put64(k.counters);
+  put_bytes(k.win), put_bytes(k.sig);
+  return out;
+}
+
+// A peer's key as it came through the store: every length checked before use.
+bool unpack_key(const std::string& in, Key& k) {
+  size_t at = 0;
+  auto get = [&](void* to, size_t n) {
+    if (in.size() - at < n) return false;
+    std::memcpy(to, in.data() + at, n);
+    at += n;
+    return true;
+  };
+  auto get_bytes = [&](std::string& s) {
+    uint32_t n = 0;
+    if (!get(&n, sizeof n) || in.size() - at < n) return false;
+    s.assign(in.data() + at, n);
+    at += n;
+    return true;
+  };
+  return get(&k.base, 8) && get(&k.size, 8) && get(&k.seg, 8) && get(&k.counters, 8) && get_bytes(k.win) &&
+         get_bytes(k.sig) && at == in.size() && !k.sig.empty() && (k.size == 0 || !k.win.empty());
+}
+
+}  // namespace
+
+class UcxRmaWindow final : public RmaWindow {
+ public:
+  explicit UcxRmaWindow(std::shared_ptr<UcxRmaHub> hub) : hub_(std::move(hub)), u_(hub_->u) {}
+  ~UcxRmaWindow() override { close(); }
+
+  bool map(const RmaMemory& mem);  // false: UCX cannot register it
+  const std::string& key() const override { return key_; }
+  void connect(const std::vector<std::string>& keys) override;
+  bool reaches(int peer) const override { return peer >= 0 && static_cast<size_t>(peer) < peers_.size() && peers_[peer].known; }
+  void put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) override;
+  void get(int peer, void* dst, uint64_t len, uint64_t offset) override;
+  void flush(int peer, const RmaWait& wait) override;
+  void close() override;
+  void drop_endpoint(int peer);  // hub's lock held
+  void release();                // hub's lock held
+
+ private:
+  struct Peer {
+    bool known = false;
+    Key key;
+    ucp_ep_h ep = nullptr;  // the rkeys below were unpacked on it
+    ucp_rkey_h win = nullptr, sig = nullptr;
+    bool dirty = false;  // operations since its last flush
+  };
+  ucp_ep_h endpoint(int peer, const char* op);  // hub's lock held: the endpoint, rkeys unpacked
+  void drop_rkeys(Peer& p);
+  void check_open(const char* op) const;
+
+  std::shared_ptr<UcxRmaHub> hub_;
+  const Ucp& u_;
+  ucp_mem_h win_memh_ = nullptr, sig_memh_ = nullptr;
+  std::string key_;
+  std::vector<Peer> peers_;
+  bool closed_ = false;
+};
+
+bool UcxRmaWindow::map(const RmaMemory& mem) {
+  auto map_one = [&](void* at, uint64_t len, ucp_mem_h* memh, std::string* packed) {
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address = at;
+    p.length = len;
+    if (u_.ucp_mem_map(hub_->ctx, &p, memh) != UCS_OK) return false;
+    void* buf = nullptr;
+    size_t n = 0;
+    if (u_.ucp_rkey_pack(hub_->ctx, *memh, &buf, &n) != UCS_OK) return false;
+    packed->assign(static_cast<const char*>(buf), n);
+    u_.ucp_rkey_buffer_release(buf);
+    return true;
+  };
+  Key k{reinterpret_cast<uint64_t>(mem.base), mem.size, reinterpret_cast<uint64_t>(mem.seg), mem.counter_offset, {}, {}};
+  std::lock_guard<std::mutex> lock(hub_->mu);
+  if (hub_->released) return false;
+  if (mem.size && !map_one(mem.base, mem.size, &win_memh_, &k.win)) return false;  // close() unmaps
+  if (!map_one(mem.seg, mem.seg_bytes, &sig_memh_, &k.sig)) return false;
+  key_ = pack_key(k);
+  hub_->windows.insert(this);
+  return true;
+}
+
+void UcxRmaWindow::connect(const std::vector<std::string>& keys) {
+  std::lock_guard<std::mutex> lock(hub_->mu);
+  peers_.assign(keys.size(), Peer{});
+  for (size_t r = 0; r < keys.size(); r++) {
+    if (keys[r].empty()) continue;  // that rank has no RMA window: messages to it
+    if (!unpack_key(keys[r], peers_[r].key))
+      fail(ErrorCode::INVALID_ARGUMENT, static_cast<int>(r), "window: a malformed UCX key from " + who(static_cast<int>(r)));
+    peers_[r].known = true;
+  }
+}
+
+void UcxRmaWindow::check_open(const char* op) const {
+  if (closed_) fail(ErrorCode::CLOSED, -1, std::string(op) + ": the window is closed");
+  if (hub_->released) fail(ErrorCode::CLOSED, -1, std::string(op) + ": the communicator is closed");
+}
+
+ucp_ep_h UcxRmaWindow::endpoint(int peer, const char* op) {
+  check_open(op);
+  Peer& p = peers_[peer];
+  ucp_ep_h ep = static_cast<size_t>(peer) < hub_->eps.size() ? hub_->eps[peer] : nullptr;
+  if (!ep) fail(ErrorCode::PEER_FAILURE, peer, std::string(op) + ": no UCX endpoint to " + who(peer) + " (closed)");
+  if (p.ep == ep) return ep;
+  drop_rkeys(p);  // unpacked on an endpoint that is gone
+  auto unpack = [&](const std::string& packed, ucp_rkey_h* rkey) {
+    if (packed.empty()) return;
+    const ucs_status_t st = u_.ucp_ep_rkey_unpack(ep, packed.data(), rkey);
+    if (st != UCS_OK) fail_status(u_, st, peer, "rkey unpack");
+  };
+  unpack(p.key.win, &p.win);
+  unpack(p.key.sig, &p.sig);
+  p.ep = ep;
+  return ep;
+}
+
+void UcxRmaWindow::drop_rkeys(Peer& p) {
+  for (ucp_rkey_h* k : {&p.win, &p.sig})
+    if (*k) u_.ucp_rkey_destroy(*k), *k = nullptr;
+  p.ep = nullptr;
+}
+
+// A request that completes later is freed now: its completion is what flush waits for.
+static void settle(const Ucp& u, ucs_status_ptr_t r, int peer, const char* op) {
+  if (UCS_PTR_IS_ERR(r)) fail_status(u, UCS_PTR_STATUS(r), peer, op);
+  if (r) u.ucp_request_free(r);
+}
+
+void UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset, int signal,
+                       const RmaWait& wait) {
+  static const uint64_t kOne = 1;  // the atomic's operand: valid until it completes
+  std::unique_lock<std::mutex> lock(hub_->mu);
+  ucp_ep_h ep = endpoint(peer, "put");
+  Peer& p = peers_[peer];
+  if (offset > p.key.size || len > p.key.size - offset)  // its key disagrees with its window
+    fail(ErrorCode::INVALID_ARGUMENT, peer, "put: outside " + who(peer) + "'s registered window");
+  ucp_request_param_t prm{};
+  if (len) settle(u_, u_.ucp_put_nbx(ep, src, len, p.key.base + offset, p.win, &prm), peer, "put");
+  if (signal >= 0) {
+    // Data first: everything issued to the peer so far completes (an ep flush), then the
+    // add. ucp_worker_fence would keep the call non-blocking, but its strong mode (what UCX
+    // chose here) held each signal back for 11-14 ms (2 ranks, 8 B put with signal -> seen),
+    // and its weak mode orders nothing across lanes (a large put striped over several).
+    p.dirty = p.dirty || len;
+    if (p.dirty) {
+      lock.unlock();
+      flush(peer, wait);
+      lock.lock();
+      ep = endpoint(peer, "put");
+    }
+    ucp_request_param_t ap{};
+    ap.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
+    ap.datatype = ucp_dt_make_contig(sizeof kOne);
+    const uint64_t at = p.key.seg + p.key.counters + sizeof(uint64_t) * static_cast<uint64_t>(signal);
+    settle(u_, u_.ucp_atomic_op_nbx(ep, UCP_ATOMIC_OP_ADD, &kOne, 1, at, p.sig, &ap), peer, "signal");
+  }
+  p.dirty = true;
+  u_.ucp_worker_progress(hub_->worker);  // sends what UCX queued instead of waiting for a flush
+}
+
+void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
+  if (!len) return;
+  std::lock_guard<std::mutex> lock(hub_->mu);
+  ucp_ep_h ep = endpoint(peer, "get");
+  Peer& p = peers_[peer];
+  if (offset > p.key.size || len > p.key.size - offset)
+    fail(ErrorCode::INVALID_ARGUMENT, peer, "get: outside " + who(peer) + "'s registered window");
+  ucp_request_param_t prm{};
+  settle(u_, u_.ucp_get_nbx(ep, dst, len, p.key.base + offset, p.win, &prm), peer, "get");
+  p.dirty = true;
+  u_.ucp_worker_progress(hub_->worker);
+}
+
+void UcxRmaWindow::flush(int peer, const RmaWait& wait) {
+  std::vector<std::pair<int, void*>> pending;  // (peer, its flush request)
+  auto drop = [&] {  // UCX completes a freed request itself; none points at the caller's memory
+    for (auto& [_, q] : pending)
+      if (q) u_.ucp_request_free(q);
+    pending.clear();
+  };
+  {
+    std::lock_guard<std::mutex> lock(hub_->mu);
+    const int n = static_cast<int>(peers_.size());  // 0: connected without keys (no RMA)
+    for (int r = peer < 0 ? 0 : peer; r < (peer < 0 ? n : std::min(peer + 1, n)); r++) {
+      Peer& p = peers_[r];
+      if (!p.dirty) continue;
+      ucp_request_param_t prm{};
+      ucs_status_ptr_t req = u_.ucp_ep_flush_nbx(endpoint(r, "flush"), &prm);
+      p.dirty = false;
+      if (UCS_PTR_IS_ERR(req)) {
+        drop();
+        fail_status(u_, UCS_PTR_STATUS(req), r, "flush");
+      }
+      if (req) pending.push_back({r, req});
+    }
+  }
+  if (pending.empty()) return;
+  // The engine's driver progresses the worker meanwhile (one thread in it at a time).
+  int failed = -1;
+  ucs_status_t why = UCS_OK;
+  auto done = [&] {
+    std::lock_guard<std::mutex> lock(hub_->mu);
+    if (hub_->released) return true;
+    for (auto& [r, q] : pending) {
+      if (!q) continue;
+      const ucs_status_t st = u_.ucp_request_check_status(q);
+      if (st == UCS_INPROGRESS) return false;
+      u_.ucp_request_free(q);
+      q = nullptr;
+      if (st != UCS_OK && failed < 0) failed = r, why = st;
+    }
+    return true;
+  };
+  try {
+    wait(done);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(hub_->mu);
+    if (!hub_->released) drop();
+    throw;
+  }
+  if (hub_->released) fail(ErrorCode::CLOSED, -1, "flush: the communicator is closed");
+  if (failed >= 0) fail_status(u_, why, failed, "flush");
+}
+
+void UcxRmaWindow::close() {
+  std::lock_guard<std::mutex> lock(hub_->mu);
+  if (closed_) return;
+  closed_ = true;
+  if (!hub_->released) release();
+  hub_->windows.erase(this);
+}
+
+void UcxRmaWindow::drop_endpoint(int peer) {
+  if (static_cast<size_t>(peer) < peers_.size()) drop_rkeys(peers_[peer]);
+}
+
+// The rkeys first (they name the endpoints), then this rank's registrations: a key a peer
+// still holds then reaches nothing (on a fabric with RMA of its own, its access fails).
+void UcxRmaWindow::release() {
+  for (Peer& p : peers_) drop_rkeys(p);
+  for (ucp_mem_h* m : {&win_memh_, &sig_memh_})
+    if (*m) u_.ucp_mem_unmap(hub_->ctx, *m), *m = nullptr;
+}
+
+void UcxRmaHub::endpoint(int peer, ucp_ep_h ep) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (eps.size() <= static_cast<size_t>(peer)) eps.resize(peer + 1, nullptr);
+  eps[peer] = ep;
+}
+
+void UcxRmaHub::endpoint_closing(int peer) {
+  std::lock_guard<std::mutex> lock(mu);
+  if (static_cast<size_t>(peer) < eps.size()) eps[peer] = nullptr;
+  for (UcxRmaWindow* w : windows) w->drop_endpoint(peer);
+}
+
+void UcxRmaHub::release() {
+  std::lock_guard<std::mutex> lock(mu);
+  for (UcxRmaWindow* w : windows) w->release();
+  windows.clear();
+  eps.clear();
+  released = true;
+}
+
+std::unique_ptr<RmaWindow> open_ucx_rma_window(const std::shared_ptr<UcxRmaHub>& hub, const RmaMemory& mem) {
+  auto w = std::make_unique<UcxRmaWindow>(hub);
+  if (!w->map(mem)) return nullptr;  // its destructor unmaps what was mapped
+  return w;
+}
+
+}  // namespace comm
