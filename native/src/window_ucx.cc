@@ -85,6 +85,9 @@ class UcxRmaWindow final : public RmaWindow {
     ucp_ep_h ep = nullptr;  // the rkeys below were unpacked on it
     ucp_rkey_h win = nullptr, sig = nullptr;
     bool dirty = false;  // operations since its last flush
+    // Gets still in flight: a get is done when its bytes arrived (its own completion, which
+    // flush waits for besides the endpoint's flush).
+    std::vector<void*> gets;
   };
   ucp_ep_h endpoint(int peer, const char* op);  // hub's lock held: the endpoint, rkeys unpacked
   void drop_rkeys(Peer& p);
@@ -157,6 +160,8 @@ ucp_ep_h UcxRmaWindow::endpoint(int peer, const char* op) {
 }
 
 void UcxRmaWindow::drop_rkeys(Peer& p) {
+  for (void* g : p.gets) u_.ucp_request_free(g);  // UCX completes them itself
+  p.gets.clear();
   for (ucp_rkey_h* k : {&p.win, &p.sig})
     if (*k) u_.ucp_rkey_destroy(*k), *k = nullptr;
   p.ep = nullptr;
@@ -208,7 +213,9 @@ void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
   if (offset > p.key.size || len > p.key.size - offset)
     fail(ErrorCode::INVALID_ARGUMENT, peer, "get: outside " + who(peer) + "'s registered window");
   ucp_request_param_t prm{};
-  settle(u_, u_.ucp_get_nbx(ep, dst, len, p.key.base + offset, p.win, &prm), peer, "get");
+  ucs_status_ptr_t r = u_.ucp_get_nbx(ep, dst, len, p.key.base + offset, p.win, &prm);
+  if (UCS_PTR_IS_ERR(r)) fail_status(u_, UCS_PTR_STATUS(r), peer, "get");
+  if (r) p.gets.push_back(r);
   p.dirty = true;
   u_.ucp_worker_progress(hub_->worker);
 }
@@ -234,6 +241,8 @@ void UcxRmaWindow::flush(int peer, const RmaWait& wait) {
         fail_status(u_, UCS_PTR_STATUS(req), r, "flush");
       }
       if (req) pending.push_back({r, req});
+      for (void* g : p.gets) pending.push_back({r, g});
+      p.gets.clear();
     }
   }
   if (pending.empty()) return;
