@@ -460,3 +460,24 @@ def test_window_peers_are_connected_on_first_use():
             c.close()
     assert all(ok for ok, _ in out), out
     assert min(k for _, k in out) < len(placement) - 1, f"every rank was connected to every peer at set-up: {out}"
+
+
+@pytest.mark.slow
+def test_ucx_rma_across_hosts():
+    """UCX across two simulated hosts (TCP, with UCX's peer-failure handling on): the RMA path
+    (emulated over TCP) with the edges, data before signal and a target that sleeps."""
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(str(unavailable()))
+    pytest.importorskip("libucx", reason="the libucx wheel is not installed")
+    with NetnsCluster(2) as hosts:
+        c = Cluster(2, "ucx", netns=[hosts.ns[0], hosts.ns[1]], timeout=120,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "30"})
+        try:
+            edges = c.run(_edges, timeout=120)
+            ordered = c.run(_data_before_signal, 6, (1 << 20) + 3, timeout=120)
+            sleeps = c.run(_target_sleeps, timeout=120)
+        finally:
+            c.close()
+    assert edges == [True, True] and ordered == [-1, -1] and sleeps == [(True, True), (True, 1)]
+

@@ -39,8 +39,10 @@ class RmaWindow {
   virtual bool reaches(int peer) const = 0;
   // Non-blocking (complete after flush()), except that a signal adds 1 to the peer's
   // counter k only after this put's data and every earlier operation of this rank to it
-  // completed: the call may wait for that, as flush() does.
-  virtual void put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) = 0;
+  // completed: the call may wait for that, as flush() does. False: the net cannot add to
+  // that peer's counters itself; everything before is complete, and the caller sends the
+  // signal (a message the target's engine counts in).
+  virtual bool put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) = 0;
   virtual void get(int peer, void* dst, uint64_t len, uint64_t offset) = 0;
   // Every put / get / signal to `peer` (-1: every peer) complete at both ends.
   virtual void flush(int peer, const RmaWait& wait) = 0;

@@ -204,7 +204,7 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
     }
     eps_.push_back(ep);
   }
-  if (rma_) rma_->endpoint(peer, eps_[0]);
+  if (rma_) rma_->endpoint(peer, eps_[0], same_host);
 }
 
 UcxChannel::~UcxChannel() {

@@ -183,7 +183,10 @@ void Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int sig
     return;
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);  // connected on first use
-  if (rma(peer)) return rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s));
+  if (rma(peer)) {
+    if (rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s)) || signal < 0) return;
+    len = 0;  // its data landed: the signal follows as a message, which the target counts in
+  }
   p2p_.post_window(peer, kWinPut, peers_[peer].id, offset, const_cast<char*>(from), len, signal);
   dirty_[peer] = 1;
 }

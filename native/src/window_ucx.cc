@@ -71,7 +71,7 @@ class UcxRmaWindow final : public RmaWindow {
   const std::string& key() const override { return key_; }
   void connect(const std::vector<std::string>& keys) override;
   bool reaches(int peer) const override { return peer >= 0 && static_cast<size_t>(peer) < peers_.size() && peers_[peer].known; }
-  void put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) override;
+  bool put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) override;
   void get(int peer, void* dst, uint64_t len, uint64_t offset) override;
   void flush(int peer, const RmaWait& wait) override;
   void close() override;
@@ -173,7 +173,7 @@ static void settle(const Ucp& u, ucs_status_ptr_t r, int peer, const char* op) {
   if (r) u.ucp_request_free(r);
 }
 
-void UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset, int signal,
+bool UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset, int signal,
                        const RmaWait& wait) {
   static const uint64_t kOne = 1;  // the atomic's operand: valid until it completes
   std::unique_lock<std::mutex> lock(hub_->mu);
@@ -195,6 +195,7 @@ void UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset,
       lock.lock();
       ep = endpoint(peer, "put");
     }
+    if (!hub_->atomics[peer]) return false;  // complete: the caller sends the signal
     ucp_request_param_t ap{};
     ap.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
     ap.datatype = ucp_dt_make_contig(sizeof kOne);
@@ -203,6 +204,7 @@ void UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset,
   }
   p.dirty = true;
   u_.ucp_worker_progress(hub_->worker);  // sends what UCX queued instead of waiting for a flush
+  return true;
 }
 
 void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
@@ -293,10 +295,11 @@ void UcxRmaWindow::release() {
     if (*m) u_.ucp_mem_unmap(hub_->ctx, *m), *m = nullptr;
 }
 
-void UcxRmaHub::endpoint(int peer, ucp_ep_h ep) {
+void UcxRmaHub::endpoint(int peer, ucp_ep_h ep, bool same_host) {
   std::lock_guard<std::mutex> lock(mu);
-  if (eps.size() <= static_cast<size_t>(peer)) eps.resize(peer + 1, nullptr);
+  if (eps.size() <= static_cast<size_t>(peer)) eps.resize(peer + 1, nullptr), atomics.resize(peer + 1, 0);
   eps[peer] = ep;
+  atomics[peer] = same_host;
 }
 
 void UcxRmaHub::endpoint_closing(int peer) {
