@@ -1,5 +1,5 @@
 // Remote memory access for windows (window.h): a net whose fabric reaches a peer's registered
-// memory itself (UCX: ucp_put_nbx / ucp_get_nbx / atomics with exchanged rkeys) serves a
+// memory itself (UCX: ucp_put_nbx / ucp_get_nbx with exchanged rkeys) serves a
 // window's puts, gets and signals without any message of the engine's own. Net::rma_window
 // offers it; a net without RMA (or memory it cannot register) returns null, and the window
 // keeps the p2p message path for those peers.
@@ -12,14 +12,10 @@
 
 namespace comm {
 
-// This rank's memory a window exposes: the window itself and its signal segment (counters
-// at seg + counter_offset, 8 bytes each).
+// This rank's memory a window exposes.
 struct RmaMemory {
   char* base;
   uint64_t size;
-  char* seg;
-  uint64_t seg_bytes;
-  uint64_t counter_offset;
 };
 
 // How the window waits for an RMA completion: until done() (checked under the engine's lock),

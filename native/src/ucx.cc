@@ -204,7 +204,7 @@ UcxChannel::UcxChannel(const Ucp& u, Worker& w, int peer, int rank, const std::s
     }
     eps_.push_back(ep);
   }
-  if (rma_) rma_->endpoint(peer, eps_[0], same_host);
+  if (rma_) rma_->endpoint(peer, eps_[0]);
 }
 
 UcxChannel::~UcxChannel() {
@@ -548,8 +548,8 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  // RMA and 64-bit atomics: windows' puts, gets and signals (window_ucx.cc).
-  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA | UCP_FEATURE_AMO64;
+  // RMA: windows' puts and gets (window_ucx.cc).
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA;
   p.mt_workers_shared = 1;  // the two workers are driven by different threads
   // The floor's API: the engine uses nothing newer (an older library than the API asked for
   // would warn).

@@ -33,7 +33,7 @@ constexpr unsigned kUcxImmediateInfoMinor = 16, kUcxTransportSettingsMinor = 17;
   X(ucp_tag_send_nbx) X(ucp_tag_recv_nbx) X(ucp_request_check_status)                         \
   X(ucp_tag_recv_request_test) X(ucp_request_cancel) X(ucp_request_free) X(ucs_status_string)  \
   X(ucp_mem_map) X(ucp_mem_unmap) X(ucp_rkey_pack) X(ucp_rkey_buffer_release)                 \
-  X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) X(ucp_put_nbx) X(ucp_get_nbx) X(ucp_atomic_op_nbx) \
+  X(ucp_ep_rkey_unpack) X(ucp_rkey_destroy) X(ucp_put_nbx) X(ucp_get_nbx)                      \
   X(ucp_ep_flush_nbx)
 
 // libucp's entry points, resolved once per library path.

@@ -62,7 +62,7 @@ Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, u
   mem_.seg = static_cast<char*>(p);
   // Registered before any peer learns of it, as below; a net without RMA, or memory it cannot
   // register, leaves rma_ null: messages then.
-  if (c_.net) rma_ = c_.net->rma_window(RmaMemory{mem_.base, size, mem_.seg, seg_bytes_, kSignalHeaderBytes});
+  if (c_.net) rma_ = c_.net->rma_window(RmaMemory{mem_.base, size});
   // Open to puts before any peer learns of it (a peer may put as soon as its exchange ends).
   try {
     p2p_.add_window(id_, &mem_);

@@ -1,8 +1,17 @@
-// A window over UCX RMA (window_ucx.h): this rank's window and signal segment registered with
-// ucp_mem_map, their rkeys packed for the peers; a peer's rkeys unpacked on the endpoint of its
-// p2p channel the first time this rank reaches it. put -> ucp_put_nbx, get -> ucp_get_nbx, a
-// signal -> ucp_worker_fence, then a 64-bit atomic add (UCP_ATOMIC_OP_ADD) on the peer's
-// counter, flush -> ucp_ep_flush_nbx, progressed on the caller's thread.
+// A window over UCX RMA (window_ucx.h): this rank's window registered with ucp_mem_map, its
+// rkey packed for the peers; a peer's rkey unpacked on the endpoint of its p2p channel the
+// first time this rank reaches it. put -> ucp_put_nbx, get -> ucp_get_nbx, flush ->
+// ucp_ep_flush_nbx, waited for while this thread drives the engine (whose p2p channels
+// progress the worker: one thread in it at a time).
+//
+// A signal is not a UCX atomic: once an endpoint flush has completed the data before it,
+// put() says so and the window sends the signal as a message that the target's engine counts
+// in (rma.h). Measured here (2 ranks, one host, bench put_signal with 8 B-8 KiB, beside other
+// jobs) an emulated UCP_ATOMIC_OP_ADD after the flush took 650-1180 us per hop against 74-128
+// us for the message; across hosts over TCP, UCX 1.22 found no protocol for it ("cannot find
+// remote protocol ... amo_post") and cancelled it. Nothing that runs here has hardware
+// atomics; a fabric with them could add the signal itself (rma.h allows it), after probing
+// the endpoint's support.
 //
 // Where the fabric has no RMA of its own (TCP, and shared memory for memory UCX did not
 // allocate: what runs here) UCX emulates it with active messages, which the TARGET's worker
@@ -20,11 +29,11 @@ namespace {
 
 std::string who(int peer) { return "rank " + std::to_string(peer); }
 
-// A key: [u64 base][u64 size][u64 seg][u64 counter offset][u32 n][window rkey: n bytes]
-// [u32 m][segment rkey: m bytes]. A window of 0 bytes has no window rkey (n = 0).
+// A key: [u64 base][u64 size][u32 n][the window's packed rkey: n bytes]. A window of 0
+// bytes has none (n = 0).
 struct Key {
-  uint64_t base = 0, size = 0, seg = 0, counters = 0;
-  std::string win, sig;  // packed rkeys
+  uint64_t base = 0, size = 0;
+  std::string win;
 };
 
 std::string pack_key(const Key& k) {
@@ -35,8 +44,8 @@ std::string pack_key(const Key& k) {
     out.append(reinterpret_cast<const char*>(&n), sizeof n);
     out += s;
   };
-  put64(k.base), put64(k.size), put64(k.seg), put64(k.counters);
-  put_bytes(k.win), put_bytes(k.sig);
+  put64(k.base), put64(k.size);
+  put_bytes(k.win);
   return out;
 }
 
@@ -56,8 +65,8 @@ bool unpack_key(const std::string& in, Key& k) {
     at += n;
     return true;
   };
-  return get(&k.base, 8) && get(&k.size, 8) && get(&k.seg, 8) && get(&k.counters, 8) && get_bytes(k.win) &&
-         get_bytes(k.sig) && at == in.size() && !k.sig.empty() && (k.size == 0 || !k.win.empty());
+  return get(&k.base, 8) && get(&k.size, 8) && get_bytes(k.win) && at == in.size() &&
+         (k.size == 0) == k.win.empty();
 }
 
 }  // namespace
@@ -83,7 +92,7 @@ class UcxRmaWindow final : public RmaWindow {
     bool known = false;
     Key key;
     ucp_ep_h ep = nullptr;  // the rkeys below were unpacked on it
-    ucp_rkey_h win = nullptr, sig = nullptr;
+    ucp_rkey_h win = nullptr;
     bool dirty = false;  // operations since its last flush
     // Gets still in flight: a get is done when its bytes arrived (its own completion, which
     // flush waits for besides the endpoint's flush).
@@ -95,7 +104,7 @@ class UcxRmaWindow final : public RmaWindow {
 
   std::shared_ptr<UcxRmaHub> hub_;
   const Ucp& u_;
-  ucp_mem_h win_memh_ = nullptr, sig_memh_ = nullptr;
+  ucp_mem_h win_memh_ = nullptr;
   std::string key_;
   std::vector<Peer> peers_;
   bool closed_ = false;
@@ -115,11 +124,10 @@ bool UcxRmaWindow::map(const RmaMemory& mem) {
     u_.ucp_rkey_buffer_release(buf);
     return true;
   };
-  Key k{reinterpret_cast<uint64_t>(mem.base), mem.size, reinterpret_cast<uint64_t>(mem.seg), mem.counter_offset, {}, {}};
+  Key k{reinterpret_cast<uint64_t>(mem.base), mem.size, {}};
   std::lock_guard<std::mutex> lock(hub_->mu);
   if (hub_->released) return false;
   if (mem.size && !map_one(mem.base, mem.size, &win_memh_, &k.win)) return false;  // close() unmaps
-  if (!map_one(mem.seg, mem.seg_bytes, &sig_memh_, &k.sig)) return false;
   key_ = pack_key(k);
   hub_->windows.insert(this);
   return true;
@@ -154,7 +162,6 @@ ucp_ep_h UcxRmaWindow::endpoint(int peer, const char* op) {
     if (st != UCS_OK) fail_status(u_, st, peer, "rkey unpack");
   };
   unpack(p.key.win, &p.win);
-  unpack(p.key.sig, &p.sig);
   p.ep = ep;
   return ep;
 }
@@ -162,8 +169,7 @@ ucp_ep_h UcxRmaWindow::endpoint(int peer, const char* op) {
 void UcxRmaWindow::drop_rkeys(Peer& p) {
   for (void* g : p.gets) u_.ucp_request_free(g);  // UCX completes them itself
   p.gets.clear();
-  for (ucp_rkey_h* k : {&p.win, &p.sig})
-    if (*k) u_.ucp_rkey_destroy(*k), *k = nullptr;
+  if (p.win) u_.ucp_rkey_destroy(p.win), p.win = nullptr;
   p.ep = nullptr;
 }
 
@@ -175,7 +181,6 @@ static void settle(const Ucp& u, ucs_status_ptr_t r, int peer, const char* op) {
 
 bool UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset, int signal,
                        const RmaWait& wait) {
-  static const uint64_t kOne = 1;  // the atomic's operand: valid until it completes
   std::unique_lock<std::mutex> lock(hub_->mu);
   ucp_ep_h ep = endpoint(peer, "put");
   Peer& p = peers_[peer];
@@ -183,28 +188,15 @@ bool UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset,
     fail(ErrorCode::INVALID_ARGUMENT, peer, "put: outside " + who(peer) + "'s registered window");
   ucp_request_param_t prm{};
   if (len) settle(u_, u_.ucp_put_nbx(ep, src, len, p.key.base + offset, p.win, &prm), peer, "put");
-  if (signal >= 0) {
-    // Data first: everything issued to the peer so far completes (an ep flush), then the
-    // add. ucp_worker_fence would keep the call non-blocking, but its strong mode (what UCX
-    // chose here) held each signal back for 11-14 ms (2 ranks, 8 B put with signal -> seen),
-    // and its weak mode orders nothing across lanes (a large put striped over several).
-    p.dirty = p.dirty || len;
-    if (p.dirty) {
-      lock.unlock();
-      flush(peer, wait);
-      lock.lock();
-      ep = endpoint(peer, "put");
-    }
-    if (!hub_->atomics[peer]) return false;  // complete: the caller sends the signal
-    ucp_request_param_t ap{};
-    ap.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
-    ap.datatype = ucp_dt_make_contig(sizeof kOne);
-    const uint64_t at = p.key.seg + p.key.counters + sizeof(uint64_t) * static_cast<uint64_t>(signal);
-    settle(u_, u_.ucp_atomic_op_nbx(ep, UCP_ATOMIC_OP_ADD, &kOne, 1, at, p.sig, &ap), peer, "signal");
-  }
-  p.dirty = true;
+  p.dirty = p.dirty || len;
   u_.ucp_worker_progress(hub_->worker);  // sends what UCX queued instead of waiting for a flush
-  return true;
+  if (signal < 0) return true;
+  // Data first: everything issued to the peer so far completes (an endpoint flush), then the
+  // caller sends the signal. ucp_worker_fence would not wait here, but its strong mode (UCX's
+  // choice here) held each signal back 11-14 ms, and its weak mode orders nothing across lanes.
+  lock.unlock();
+  flush(peer, wait);
+  return false;
 }
 
 void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
@@ -291,15 +283,13 @@ void UcxRmaWindow::drop_endpoint(int peer) {
 // still holds then reaches nothing (on a fabric with RMA of its own, its access fails).
 void UcxRmaWindow::release() {
   for (Peer& p : peers_) drop_rkeys(p);
-  for (ucp_mem_h* m : {&win_memh_, &sig_memh_})
-    if (*m) u_.ucp_mem_unmap(hub_->ctx, *m), *m = nullptr;
+  if (win_memh_) u_.ucp_mem_unmap(hub_->ctx, win_memh_), win_memh_ = nullptr;
 }
 
-void UcxRmaHub::endpoint(int peer, ucp_ep_h ep, bool same_host) {
+void UcxRmaHub::endpoint(int peer, ucp_ep_h ep) {
   std::lock_guard<std::mutex> lock(mu);
-  if (eps.size() <= static_cast<size_t>(peer)) eps.resize(peer + 1, nullptr), atomics.resize(peer + 1, 0);
+  if (eps.size() <= static_cast<size_t>(peer)) eps.resize(peer + 1, nullptr);
   eps[peer] = ep;
-  atomics[peer] = same_host;
 }
 
 void UcxRmaHub::endpoint_closing(int peer) {

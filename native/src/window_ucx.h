@@ -27,14 +27,10 @@ struct UcxRmaHub {
   const ucp_worker_h worker;  // the p2p worker (thread mode MULTI: the windows' callers use it too)
   std::mutex mu;
   std::vector<ucp_ep_h> eps;        // by peer: its p2p channel's endpoint, null until connected
-  // By peer: its endpoint may post atomics. Across hosts (TCP) UCX 1.22 found no protocol
-  // for an emulated atomic ("cannot find remote protocol ... amo_post") and cancelled it:
-  // there a signal is a message (rma.h: put).
-  std::vector<char> atomics;
   std::set<UcxRmaWindow*> windows;  // open ones
   bool released = false;            // the net tore down: worker and context are gone
 
-  void endpoint(int peer, ucp_ep_h ep, bool same_host);  // a p2p channel connected
+  void endpoint(int peer, ucp_ep_h ep);  // a p2p channel connected
   void endpoint_closing(int peer);       // ... is about to close its endpoint
   void release();                        // the net is about to destroy the worker
 };
