@@ -85,7 +85,7 @@ def collectives_and_messages(world, version):
         w.wait()
         if not (into == np.arange(count, dtype=np.float64) + peer).all():
             problems.append(f"rank {r}: recv of {count} from {peer} wrong")
-    # a window over this UCX's RMA (rkeys, ucp_put_nbx / ucp_get_nbx, an atomic signal)
+    # a window over this UCX's RMA (COMM_WINDOW_RMA=1: rkeys, ucp_put_nbx / ucp_get_nbx)
     pool = np.zeros(1 << 16, np.uint8)
     with world.window(pool) as win:
         if win._tw.paths[peer] != "rma":
@@ -105,6 +105,7 @@ def collectives_and_messages(world, version):
 def test_jobs_on_an_older_ucx(ucx_wheels, version):
     folder = ucx_wheels(version)
     env = {"PYTHONPATH": _python_path(folder)}
+    env["COMM_WINDOW_RMA"] = "1"   # the window below over this UCX's RMA (rkeys, ucp_put_nbx / ucp_get_nbx)
     assert run_ranks(collectives_and_messages, 2, version, transport="ucx", env=env, timeout=120) == [[], []]
 
 

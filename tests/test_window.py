@@ -17,8 +17,8 @@ from harness import Cluster, engine_param, run_ranks
 from harness import slow as slow_params
 
 SETUPS = {"cma": ("native", {}), "shm": ("native", {"COMM_CMA": "0"}),
-          "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {}),
-          "ucx-messages": ("ucx", {"COMM_WINDOW_RMA": "0"})}   # UCX's fallback: the p2p stream
+          "tcp": ("native", {"COMM_CHANNELS": "tcp"}), "ucx": ("ucx", {"COMM_WINDOW_RMA": "1"}),
+          "ucx-messages": ("ucx", {})}   # UCX's default: the p2p stream
 
 
 def _params(slow=()):
@@ -33,11 +33,11 @@ def _cluster(cluster, name, n=2):
 
 def _rma_over_ucx(world, w):
     """Over UCX every peer's window is reached by RMA (ucp_put_nbx / ucp_get_nbx / atomics on
-    exchanged rkeys), or with COMM_WINDOW_RMA=0 by the fallback (p2p messages): the case below
-    exercises the path it names, not the other one."""
+    exchanged rkeys) with COMM_WINDOW_RMA=1, else by p2p messages: the case below exercises the
+    path it names, not the other one."""
     if world.transport == "ucx":
         paths = [p for r, p in enumerate(w._tw.paths) if r != world.rank]
-        want = "rma" if os.environ.get("COMM_WINDOW_RMA", "1") == "1" else "message"
+        want = "rma" if os.environ.get("COMM_WINDOW_RMA", "0") == "1" else "message"
         assert paths == [want] * (world.size - 1), w._tw.paths
 
 
@@ -472,7 +472,7 @@ def test_ucx_rma_across_hosts():
     pytest.importorskip("libucx", reason="the libucx wheel is not installed")
     with NetnsCluster(2) as hosts:
         c = Cluster(2, "ucx", netns=[hosts.ns[0], hosts.ns[1]], timeout=120,
-                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "30"})
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "30", "COMM_WINDOW_RMA": "1"})
         try:
             edges = c.run(_edges, timeout=120)
             ordered = c.run(_data_before_signal, 6, (1 << 20) + 3, timeout=120)

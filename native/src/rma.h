@@ -1,8 +1,10 @@
 // Remote memory access for windows (window.h): a net whose fabric reaches a peer's registered
-// memory itself (UCX: ucp_put_nbx / ucp_get_nbx with exchanged rkeys) serves a
-// window's puts, gets and signals without any message of the engine's own. Net::rma_window
-// offers it; a net without RMA (or memory it cannot register) returns null, and the window
-// keeps the p2p message path for those peers.
+// memory itself (UCX: ucp_put_nbx / ucp_get_nbx with exchanged rkeys) serves a window's puts
+// and gets without any message of the engine's own; a signal, after the data before it
+// completed, is a message unless the net adds it itself (put). Net::rma_window offers it; a
+// net without RMA (or memory it cannot register) returns null, and the window keeps the p2p
+// message path for those peers. Python asks for it with COMM_WINDOW_RMA=1 (else it passes no
+// keys to connect()).
 #pragma once
 
 #include <cstdint>
