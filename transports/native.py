@@ -138,7 +138,8 @@ class NativeWindow(TransportWindow):
         except _native.NativeError as e:
             raise _convert(e, self._rank, "window") from None
         transport._windows += 1
-        # The last entry: the net's RMA key (hex; empty where the net has none, native/src/rma.h).
+        # The last entry: the net's RMA key (hex; empty where the net has none or was opened
+        # without it, native/src/rma.h).
         me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.rma_key.hex()]
         infos = [json.loads(v) for v in transport._ctx.store.all_gather(
             f"native/window{transport._windows}", json.dumps(me).encode())]
@@ -148,8 +149,7 @@ class NativeWindow(TransportWindow):
             raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
                                   "must pass the same signals=", rank=self._rank, op="window")
         self.peers = [tuple(i[:5]) for i in infos]   # (address, size, id, pid, signal fd) per rank
-        keys = [bytes.fromhex(i[6]) for i in infos] if config.get("COMM_WINDOW_RMA") else []
-        self._call("window", self._w.connect, self.peers, keys)
+        self._call("window", self._w.connect, self.peers, [bytes.fromhex(i[6]) for i in infos])
         # How this rank reaches each peer's window ("self", "cma", "rma" or "message"): said
         # once under COMM_DEBUG=1, and asserted by the tests that the path they mean ran.
         self.paths = tuple(self._w.path(p) for p in range(len(infos)))

@@ -48,8 +48,10 @@ class UCXTransport(NativeTransport):
     @classmethod
     def net_options(cls) -> dict[str, str]:
         # endpoints: per remote peer, each its own connection; large payloads are striped
-        # over them as over the TCP channel's sockets
-        return {"library": _LIBUCP, "endpoints": str(max(1, int(config.get("COMM_SOCKETS_PER_PEER"))))}
+        # over them as over the TCP channel's sockets. rma: windows over UCX RMA (rkeys)
+        # instead of p2p messages (native/src/window_ucx.cc)
+        return {"library": _LIBUCP, "endpoints": str(max(1, int(config.get("COMM_SOCKETS_PER_PEER")))),
+                "rma": "1" if config.get("COMM_WINDOW_RMA") else "0"}
 
     @classmethod
     def available(cls) -> str | None:

@@ -3,8 +3,7 @@
 // and gets without any message of the engine's own; a signal, after the data before it
 // completed, is a message unless the net adds it itself (put). Net::rma_window offers it; a
 // net without RMA (or memory it cannot register) returns null, and the window keeps the p2p
-// message path for those peers. Python asks for it with COMM_WINDOW_RMA=1 (else it passes no
-// keys to connect()).
+// message path for those peers. UCX's net offers it when opened with COMM_WINDOW_RMA=1.
 #pragma once
 
 #include <cstdint>

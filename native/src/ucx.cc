@@ -501,7 +501,9 @@ void UcxChannel::abandon(Transfer& t) {
 
 class UcxNet final : public Net {
  public:
-  UcxNet(const Ucp& u, int rank, int endpoints);
+  // rma: windows may use UCX RMA (COMM_WINDOW_RMA=1): the context asks for it, and the p2p
+  // worker takes callers besides its driver (thread mode MULTI). Off, the net is as before.
+  UcxNet(const Ucp& u, int rank, int endpoints, bool rma);
   ~UcxNet() override;
   NetCaps caps() const override { return NetCaps{}; }  // host memory: the engine reduces on the CPU
   std::string address() const override;
@@ -527,7 +529,7 @@ class UcxNet final : public Net {
   bool forgotten_ = false;
 };
 
-UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endpoints_(endpoints) {
+UcxNet::UcxNet(const Ucp& u, int rank, int endpoints, bool rma) : u_(u), rank_(rank), endpoints_(endpoints) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = u_.ucp_config_read(nullptr, nullptr, &config);  // UCX_* variables apply
   if (st != UCS_OK) fail(ErrorCode::SYSTEM, -1, std::string("ucp_config_read: ") + u_.ucs_status_string(st));
@@ -548,8 +550,7 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
   }
   ucp_params_t p{};
   p.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-  // RMA: windows' puts and gets (window_ucx.cc).
-  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP | UCP_FEATURE_RMA;
+  p.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP | (rma ? UCP_FEATURE_RMA : 0);  // RMA: window_ucx.cc
   p.mt_workers_shared = 1;  // the two workers are driven by different threads
   // The floor's API: the engine uses nothing newer (an older library than the API asked for
   // would warn).
@@ -561,7 +562,7 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     // One thread at a time (the engine's rule), except on the p2p worker, where a window's
     // caller posts RMA and progresses it while the p2p driver may be in the worker too.
-    wp.thread_mode = &w == &workers_[1] ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SERIALIZED;
+    wp.thread_mode = rma && &w == &workers_[1] ? UCS_THREAD_MODE_MULTI : UCS_THREAD_MODE_SERIALIZED;
     st = u_.ucp_worker_create(ctx_, &wp, &w.h);
     int fd = -1;
     if (st == UCS_OK) st = u_.ucp_worker_get_efd(w.h, &fd);
@@ -576,7 +577,7 @@ UcxNet::UcxNet(const Ucp& u, int rank, int endpoints) : u_(u), rank_(rank), endp
     w.address.assign(reinterpret_cast<const char*>(attr.address), attr.address_length);
     u_.ucp_worker_release_address(w.h, attr.address);
   }
-  rma_ = std::make_shared<UcxRmaHub>(u_, ctx_, workers_[1].h);
+  if (rma) rma_ = std::make_shared<UcxRmaHub>(u_, ctx_, workers_[1].h);
 }
 
 UcxNet::~UcxNet() {
@@ -631,7 +632,8 @@ std::string UcxNet::describe() const {
 std::unique_ptr<Net> open_ucx(int rank, int /*size*/, const NetOptions& opts) {
   const auto it = opts.find("endpoints");
   const int endpoints = it == opts.end() ? 1 : std::clamp(std::atoi(it->second.c_str()), 1, kMaxStripes);
-  return std::make_unique<UcxNet>(load_ucp(opts), rank, endpoints);
+  const auto rma = opts.find("rma");
+  return std::make_unique<UcxNet>(load_ucp(opts), rank, endpoints, rma != opts.end() && rma->second == "1");
 }
 
 }  // namespace comm
