@@ -104,30 +104,28 @@ class UcxRmaWindow final : public RmaWindow {
 
   std::shared_ptr<UcxRmaHub> hub_;
   const Ucp& u_;
-  ucp_mem_h win_memh_ = nullptr;
+  ucp_mem_h win_memh_ = nullptr;  // null for a window of 0 bytes
   std::string key_;
   std::vector<Peer> peers_;
   bool closed_ = false;
 };
 
 bool UcxRmaWindow::map(const RmaMemory& mem) {
-  auto map_one = [&](void* at, uint64_t len, ucp_mem_h* memh, std::string* packed) {
-    ucp_mem_map_params_t p{};
-    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-    p.address = at;
-    p.length = len;
-    if (u_.ucp_mem_map(hub_->ctx, &p, memh) != UCS_OK) return false;
-    void* buf = nullptr;
-    size_t n = 0;
-    if (u_.ucp_rkey_pack(hub_->ctx, *memh, &buf, &n) != UCS_OK) return false;
-    packed->assign(static_cast<const char*>(buf), n);
-    u_.ucp_rkey_buffer_release(buf);
-    return true;
-  };
   Key k{reinterpret_cast<uint64_t>(mem.base), mem.size, {}};
   std::lock_guard<std::mutex> lock(hub_->mu);
   if (hub_->released) return false;
-  if (mem.size && !map_one(mem.base, mem.size, &win_memh_, &k.win)) return false;  // close() unmaps
+  if (mem.size) {  // a failure after the map leaves it to close() (the destructor) to unmap
+    ucp_mem_map_params_t p{};
+    p.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    p.address = mem.base;
+    p.length = mem.size;
+    void* buf = nullptr;
+    size_t n = 0;
+    if (u_.ucp_mem_map(hub_->ctx, &p, &win_memh_) != UCS_OK) return false;
+    if (u_.ucp_rkey_pack(hub_->ctx, win_memh_, &buf, &n) != UCS_OK) return false;
+    k.win.assign(static_cast<const char*>(buf), n);
+    u_.ucp_rkey_buffer_release(buf);
+  }
   key_ = pack_key(k);
   hub_->windows.insert(this);
   return true;
@@ -156,12 +154,10 @@ ucp_ep_h UcxRmaWindow::endpoint(int peer, const char* op) {
   if (!ep) fail(ErrorCode::PEER_FAILURE, peer, std::string(op) + ": no UCX endpoint to " + who(peer) + " (closed)");
   if (p.ep == ep) return ep;
   drop_rkeys(p);  // unpacked on an endpoint that is gone
-  auto unpack = [&](const std::string& packed, ucp_rkey_h* rkey) {
-    if (packed.empty()) return;
-    const ucs_status_t st = u_.ucp_ep_rkey_unpack(ep, packed.data(), rkey);
+  if (!p.key.win.empty()) {  // a window of 0 bytes has no key: nothing reaches it
+    const ucs_status_t st = u_.ucp_ep_rkey_unpack(ep, p.key.win.data(), &p.win);
     if (st != UCS_OK) fail_status(u_, st, peer, "rkey unpack");
-  };
-  unpack(p.key.win, &p.win);
+  }
   p.ep = ep;
   return ep;
 }
@@ -216,7 +212,9 @@ void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
 
 void UcxRmaWindow::flush(int peer, const RmaWait& wait) {
   std::vector<std::pair<int, void*>> pending;  // (peer, its flush request)
-  auto drop = [&] {  // UCX completes a freed request itself; none points at the caller's memory
+  // A failed wait frees what is pending (UCX completes a freed request itself). UCX cannot
+  // cancel a get: after a timeout, a hung peer that wakes could still answer into its buffer.
+  auto drop = [&] {
     for (auto& [_, q] : pending)
       if (q) u_.ucp_request_free(q);
     pending.clear();
