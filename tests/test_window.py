@@ -3,7 +3,8 @@
 Each channel set-up is its own cluster of real rank processes: shared memory with the
 single-copy path (CMA: the origin writes the peer's memory itself), shared memory without it
 (COMM_CMA=0: one-sided messages on the shm rings, written in by the target's engine), TCP
-(COMM_CHANNELS=tcp) and UCX. Results are checked against a numpy model of every window."""
+(COMM_CHANNELS=tcp) and UCX (RMA with rkeys under COMM_WINDOW_RMA=1, and its default, p2p
+messages, as ucx-messages). Results are checked against a numpy model of every window."""
 import os
 import time
 
