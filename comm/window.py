@@ -53,6 +53,7 @@ class Window:
         self._put_lean = transport_window.put_lean if lean else None
         self._get_lean = transport_window.get_lean if lean else None
         self._flush_lean = transport_window.flush_lean if lean else None
+        self._wait_lean = transport_window.wait_signal_lean if lean else None
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -239,6 +240,17 @@ class Window:
     def wait_signal(self, k: int, value: int, *, timeout: float | None = None) -> None:
         """Block until this rank's counter k is at least `value` (Timeout after `timeout`
         seconds, default the communicator's; a dead peer fails it; Ctrl-C works)."""
+        lean = self._wait_lean
+        c = self._comm
+        if lean is not None and timeout is None and c._failure is None and not c._closed:
+            try:
+                if lean(k, value, c.timeout):
+                    return
+            except Exception as e:
+                err = self._tw.lean_error(e, "wait_signal")
+                if isinstance(err, CommTimeout):   # the caller's to handle, as below
+                    raise err.locate(self.rank, "wait_signal") from None
+                raise self._lean_failed("wait_signal", e) from None
         op = "wait_signal"
         self._usable(op)
         i = self._signal_index(op, k)
@@ -302,6 +314,6 @@ class Window:
 
     def _set_closed(self) -> None:
         self._closed = True
-        self._put_lean = self._get_lean = self._flush_lean = None
+        self._put_lean = self._get_lean = self._flush_lean = self._wait_lean = None
         self._held.clear()
         self._mem = None   # an allocated window's memory goes with the last array over it

@@ -151,9 +151,10 @@ class TransportWindow(abc.ABC):
     # only (numpy / CPU torch arrays, exact ints in range), moving nothing otherwise:
     #   put_lean(peer, src, offset, signal or None) / get_lean(peer, dst, offset) -> 1: done in
     #   the call, 0: in flight (hold the array until the flush), -1: not the plain case;
-    #   flush_lean(peer or None) -> True: flushed, False: call flush().
+    #   flush_lean(peer or None) -> True: flushed, False: call flush();
+    #   wait_signal_lean(k, value, timeout_s) -> True: waited, False: call wait_signal().
     # Their exceptions go through lean_error(e, op). comm.window tries them first.
-    put_lean = get_lean = flush_lean = None
+    put_lean = get_lean = flush_lean = wait_signal_lean = None
 
     def lean_error(self, e: BaseException, op: str) -> BaseException:
         """The CommError for an exception of a lean call (others unchanged)."""

@@ -163,6 +163,7 @@ class NativeWindow(TransportWindow):
         self.sizes = tuple(i[1] for i in infos)
         w = self._w   # the lean calls, bound once (comm/window.py calls them first)
         self.put_lean, self.get_lean, self.flush_lean = w.put_lean, w.get_lean, w.flush_lean
+        self.wait_signal_lean = w.wait_signal_lean
 
     def lean_error(self, e: BaseException, op: str) -> BaseException:
         return _convert(e, self._rank, op) if isinstance(e, _native.NativeError) else e

@@ -116,6 +116,23 @@ void binding::bind_window(nb::module_& m) {
           nb::arg("peer").none(),
           "flush(peer) when nothing to it is on the message path (True), else False: flush() waits.")
       .def(
+          "wait_signal_lean",
+          [](Window& w, nb::handle k_h, nb::handle value_h, double timeout_s) {
+            long long k;
+            if (!small_int(k_h, 0, w.signal_count(), &k) || !PyLong_CheckExact(value_h.ptr())) return false;
+            const unsigned long long value = PyLong_AsUnsignedLongLong(value_h.ptr());
+            if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {  // negative, or past 64 bits
+              PyErr_Clear();
+              return false;
+            }
+            if (w.signal(static_cast<uint32_t>(k)) >= value) return true;  // there already: no GIL round trip
+            nb::gil_scoped_release unlocked;
+            w.wait_signal(static_cast<uint32_t>(k), value, timeout_s);
+            return true;
+          },
+          nb::arg("k"), nb::arg("value"), nb::arg("timeout_s"),
+          "wait_signal for plain ints in range (True once there), else False: nothing waited.")
+      .def(
           "memory",
           [](Window& w) -> nb::object {
             const std::shared_ptr<WindowSegment>& seg = w.segment();
