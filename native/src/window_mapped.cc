@@ -39,6 +39,8 @@ WindowSegment::~WindowSegment() {
 
 void PeerMappings::map(const Comm& c, const std::vector<WindowPeer>& peers, const std::vector<int>& fds) {
   unmap();
+  bases_.clear();  // connect, once, before any put or get
+  lens_.clear();
   if (fds.empty()) return;
   if (fds.size() != peers.size())
     fail(ErrorCode::INVALID_ARGUMENT, -1, "window: one memory descriptor per rank expected");
@@ -66,10 +68,12 @@ void PeerMappings::map(const Comm& c, const std::vector<WindowPeer>& peers, cons
 }
 
 void PeerMappings::unmap() {
-  for (size_t p = 0; p < bases_.size(); p++)
-    if (bases_[p]) munmap(bases_[p], lens_[p]);
-  bases_.clear();
-  lens_.clear();
+  // Entries are nulled, never removed: Window::moves_in_call reads them without its lock.
+  for (size_t p = 0; p < bases_.size(); p++) {
+    char* base = bases_[p];
+    bases_[p] = nullptr;
+    if (base) munmap(base, lens_[p]);
+  }
   any_ = false;
 }
 

@@ -14,7 +14,7 @@
 
 namespace comm {
 
-struct Comm;
+class Comm;
 struct WindowPeer;
 
 // This rank's allocated window memory. Shared (shared_ptr) between the Window and every numpy
