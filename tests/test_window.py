@@ -546,6 +546,28 @@ def test_allocated_window_refusals(cluster):
         assert untouched
 
 
+def _allocated_empty(world):
+    """0 bytes on one rank: its window is empty, a put into it is a pure notification."""
+    me, peer = world.rank, 1 - world.rank
+    with world.window(0 if me == 0 else 16, signals=1) as w:
+        empty = w.buffer.shape == ((0,) if me == 0 else (16,)) and w.sizes == (0, 16)
+        w.put(peer, np.zeros(0 if peer == 0 else 16, np.uint8), 0, signal=0)
+        w.flush()
+        w.wait_signal(0, 1, timeout=10)
+        try:
+            w.put(0, np.zeros(1, np.uint8))
+        except comm.InvalidArgument:
+            refused = True
+        else:
+            refused = False
+        w.fence()
+    return empty, refused
+
+
+def test_allocated_window_of_0_bytes(cluster):
+    assert _cluster(cluster, "cma").run(_allocated_empty) == [(True, True)] * 2
+
+
 def _allocated_torch(world):
     import torch
     me, peer = world.rank, 1 - world.rank
