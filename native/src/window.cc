@@ -1,6 +1,7 @@
 #include "window.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -267,10 +268,13 @@ void Window::wait_signal(uint32_t k, uint64_t value, double timeout_s) {
     }
     // Another thread of this rank drives: wait for its counting as below.
   }
-  for (int i = 0; i < 4000; i++) {
+  for (int i = 1; i <= 4000; i++) {
     if (ctr->load(std::memory_order_acquire) >= value) return;
+    // A yield now and then, as Comm::idle: where the signalling peer shares this core (an
+    // oversubscribed host), it runs now rather than after the whole spin.
+    if (i % 128 == 0) sched_yield();
 #if defined(__x86_64__)
-    __builtin_ia32_pause();
+    else __builtin_ia32_pause();
 #endif
   }
   SignalHeader* h = header(mem_.seg);
