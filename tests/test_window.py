@@ -454,10 +454,10 @@ def _allocated_edges(world):
     return mine, back, signals
 
 
-@pytest.mark.parametrize("name", ["cma", "shm", "tcp"])
+@pytest.mark.parametrize("name", ["cma", "shm", "tcp", *slow_params("ucx")])
 def test_allocated_windows_edges(cluster, name):
     """cma: mapped peers (and CMA into the odd rank's array); shm: mapped peers and shm-ring
-    messages into the array (no CMA); tcp: the message path everywhere."""
+    messages into the array (no CMA); tcp and ucx: the message path everywhere."""
     n = 3
     assert _cluster(cluster, name, n).run(_allocated_edges) == [(True, [True] * n, [0, 100, 0, 1])] * n
 
