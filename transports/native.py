@@ -125,20 +125,28 @@ class NativePrepared:
 
 
 class NativeWindow(TransportWindow):
-    """The engine's window (native/src/window.h): same-host peers with CMA are written and
-    read by the origin itself, every other peer through its p2p stream, where the target's
-    engine writes the bytes in. Set-up publishes each rank's (address, size, id, pid, signal
-    segment) through the store."""
+    """The engine's window (native/src/window.h). Peers on this host write and read an
+    allocated window (nbytes given: shared memory the engine allocates) through their own
+    mapping of it, a user buffer with CMA; every other peer goes through its p2p stream,
+    where the target's engine writes the bytes in. Set-up publishes each rank's (address,
+    size, id, pid, signal segment, signal count, memory segment) through the store."""
 
-    def __init__(self, transport: "NativeTransport", mem, signals: int) -> None:
+    def __init__(self, transport: "NativeTransport", mem, signals: int, nbytes: int | None = None) -> None:
         self._transport, self._rank = transport, transport.rank
         self._timeout = float(transport._ctx.timeout)
+        engine = transport._engine
         try:
-            self._w = _native.window(transport._engine, mem.ptr, mem.nbytes, signals)
+            if nbytes is None:
+                self._w = _native.window(engine, mem.ptr, mem.nbytes, signals)
+                addr, size = mem.ptr, mem.nbytes
+            else:
+                self._w = _native.window_allocate(engine, nbytes, signals)
+                self.memory = self._w.memory()
+                addr, size = self.memory.ctypes.data, nbytes
         except _native.NativeError as e:
             raise _convert(e, self._rank, "window") from None
         transport._windows += 1
-        me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals]
+        me = [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd]
         infos = [json.loads(v) for v in transport._ctx.store.all_gather(
             f"native/window{transport._windows}", json.dumps(me).encode())]
         counts = {i[5] for i in infos}
@@ -147,11 +155,18 @@ class NativeWindow(TransportWindow):
             raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
                                   "must pass the same signals=", rank=self._rank, op="window")
         self.peers = [tuple(i[:5]) for i in infos]   # (address, size, id, pid, signal fd) per rank
-        self._call("window", self._w.connect, self.peers)
+        memory_fds = [i[6] for i in infos]
+        self._call("window", self._w.connect, self.peers, memory_fds if max(memory_fds) >= 0 else [])
         # Nobody may close its signal segment (a window dropped at once) before every local
         # peer has mapped it: set-up ends together.
         transport._ctx.store.all_gather(f"native/window{transport._windows}/mapped", b"")
         self.sizes = tuple(i[1] for i in infos)
+        w = self._w   # the lean calls, bound once (comm/window.py calls them first)
+        self.put_lean, self.get_lean, self.flush_lean = w.put_lean, w.get_lean, w.flush_lean
+        self.wait_signal_lean = w.wait_signal_lean
+
+    def lean_error(self, e: BaseException, op: str) -> BaseException:
+        return _convert(e, self._rank, op) if isinstance(e, _native.NativeError) else e
 
     def _call(self, op: str, fn, *args):
         try:
@@ -182,6 +197,7 @@ class NativeWindow(TransportWindow):
 
     def close(self) -> None:
         self._w.close()
+        self.memory = None   # the engine let go of its memory: the arrays over it hold the rest
 
 
 class NativeTransport(Transport):
@@ -454,6 +470,9 @@ class NativeTransport(Transport):
 
     def window(self, mem, signals: int) -> NativeWindow:
         return NativeWindow(self, mem, signals)
+
+    def window_allocate(self, nbytes: int, signals: int) -> NativeWindow:
+        return NativeWindow(self, None, signals, nbytes)
 
     def error(self, e: Exception) -> CommError:
         if isinstance(e, _native.NativeError):

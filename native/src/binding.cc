@@ -534,6 +534,14 @@ bool python_signal_raised() {
 PyObject* native_error = nullptr;  // _native.NativeError
 }  // namespace
 
+bool binding::plain_bytes(PyObject* obj, bool writable, uintptr_t* ptr, uint64_t* bytes) {
+  Array a;
+  if (!plain_array(obj, writable, &a)) return false;
+  *ptr = a.ptr;
+  *bytes = a.bytes;
+  return true;
+}
+
 PyObject* binding::intern(const char* name) { return PyUnicode_InternFromString(name); }
 
 nb::object binding::attr(PyObject* obj, PyObject* name) {
@@ -894,33 +902,5 @@ NB_MODULE(_native, m) {
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);
 
-  // ---- one-sided windows (window.h; transports/native.py's NativeWindow) ----------------------
-  using WindowPeerTuple = std::tuple<uint64_t, uint64_t, uint32_t, int, int>;  // addr, size, id, pid, fd
-  nb::class_<Window>(m, "Window")
-      .def_prop_ro("id", &Window::id)
-      .def_prop_ro("signal_fd", &Window::signal_fd)
-      .def(
-          "connect",
-          [](Window& w, const std::vector<WindowPeerTuple>& peers) {
-            std::vector<WindowPeer> all;
-            for (const auto& [addr, size, id, pid, fd] : peers) all.push_back({addr, size, id, pid, fd});
-            nb::gil_scoped_release unlocked;
-            w.connect(all);
-          },
-          nb::arg("peers"), "Every rank's (address, size, window id, pid, signal segment fd), in rank order.")
-      .def("put", &Window::put, nb::arg("peer"), nb::arg("src"), nb::arg("nbytes"), nb::arg("offset"),
-           nb::arg("signal"), release())
-      .def("get", &Window::get, nb::arg("peer"), nb::arg("dst"), nb::arg("nbytes"), nb::arg("offset"), release())
-      .def("flush", &Window::flush, nb::arg("peer"), nb::arg("timeout_s"), release())
-      .def("wait_signal", &Window::wait_signal, nb::arg("k"), nb::arg("value"), nb::arg("timeout_s"), release())
-      .def("signal", &Window::signal, nb::arg("k"))  // one atomic load
-      .def("close", &Window::close, release());
-  m.def(
-      "window",
-      [](Engine& e, uintptr_t base, uint64_t size, uint32_t signals) {
-        nb::gil_scoped_release unlocked;
-        return e.window(base, size, signals);
-      },
-      nb::arg("engine"), nb::arg("base"), nb::arg("size"), nb::arg("signals"), nb::keep_alive<0, 1>(),
-      "This rank's window of `engine` over [base, base + size) with `signals` counters (then connect()).");
+  binding::bind_window(m);  // binding_window.cc
 }
