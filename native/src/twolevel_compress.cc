@@ -8,6 +8,9 @@
 //      block, in host order;
 //   2. that sum, encoded once, goes to every other host's rank, and every rank, this one
 //      included, decodes the same bytes into block `me` of the shard.
+// The host's all-gather then moves those encoded packets, not float32 (a quarter or half of
+// the shared-memory traffic of that phase), and each rank decodes its neighbours' shards: the
+// shared-memory phases, not the link, bound a compressed 2 x 2 on two cores.
 // So each element is quantized at most twice (its partial sum, then the total), every rank
 // holds the same bits, and NaN / Inf travel as codes of their own. The encoding runs on the
 // engine's thread between the network steps while the host lane's phases of the other
@@ -25,9 +28,11 @@ namespace comm {
 
 namespace {
 
-// Scratch slots 7 and 8 (twolevel.cc and engine.cc use 0-6): encoded packets out and in.
+// Scratch slots 7-9 (twolevel.cc and engine.cc use 0-6): encoded packets out, partial sums
+// in, and the final packets (the whole op's, gathered inside the host; or one segment's).
 constexpr int kSendPackets = 7;
 constexpr int kRecvPackets = 8;
+constexpr int kFinalPackets = 9;
 
 // Bytes of the packet of n elements: bf16 codes; or fp8 scales (one float per block, first,
 // so they stay 4-byte aligned), then the codes.
@@ -51,6 +56,14 @@ void encode(const Coll& op, const char* in, char* packet, size_t n) {
   k.to_fp8(x, reinterpret_cast<uint8_t*>(packet + scales), reinterpret_cast<float*>(packet), n, op.wire_block);
 }
 
+// The packets of `count` elements cut into n blocks of whole units, each 64-byte aligned.
+CountedBlocks packets_of(const Coll& op, size_t count, int n) {
+  const CountedBlocks b = unit_blocks(count, n, unit_of(op));
+  std::vector<uint64_t> bytes(n);
+  for (int j = 0; j < n; j++) bytes[j] = aligned(wire_bytes(op, b.size(j)));
+  return CountedBlocks(bytes);
+}
+
 // acc = (accumulate ? acc : 0) + decoded packet.
 void decode(const Coll& op, char* acc, const char* packet, size_t n, bool accumulate) {
   const auto& k = compress::kernels();
@@ -65,15 +78,15 @@ void decode(const Coll& op, char* acc, const char* packet, size_t n, bool accumu
 }
 
 // The two steps above over group g for `count` elements: `in` (read) and `out` (written;
-// may be `in`), cut at whole units. Packets of block j sit at j * slot in the scratch (slot:
-// the largest block's).
+// may be `in`), cut at whole units. The packets of step 1 sit at j * slot in scratch (slot:
+// the largest block's); block j's final packet at final + packets_of(...).offset(j).
 class CompressedExchange final : public Steps {
  public:
-  CompressedExchange(Comm& c, const Group& g, const Coll& op, const char* in, char* out, size_t count)
+  CompressedExchange(Comm& c, const Group& g, const Coll& op, const char* in, char* out, size_t count, char* final)
       : c_(c), g_(g), op_(op), in_(in), out_(out), b_(unit_blocks(count, g.size(), unit_of(op))),
-        slot_(aligned(wire_bytes(op, b_.largest()))),
+        pk_(packets_of(op, count, g.size())), slot_(pk_.largest()),
         sent_(c.scratch(kSendPackets, slot_ * g.size())), got_(c.scratch(kRecvPackets, slot_ * g.size())),
-        h_(op.header(0)) {}  // a rank on the exact path expects other lengths: it fails at once
+        final_(final), h_(op.header(0)) {}  // a rank on the exact path expects other lengths: it fails at once
   int width() const override { return 2 * (g_.size() - 1); }
 
   int next(Transfer* ts) override {
@@ -95,18 +108,15 @@ class CompressedExchange final : public Steps {
       case 1:  // step 2: our block's sum, encoded once, to everyone; theirs in
         for (int j = 0; j < n; j++)
           if (j != me) decode(op_, own, got_ + j * slot_, mine, true);
-        encode(op_, own, sent_ + me * slot_, mine);
+        encode(op_, own, final_ + pk_.offset(me), mine);
         for (int j = 0; j < n; j++) {
           if (j == me) continue;
-          ts[k++] = c_.send_to(g_.at(j), sent_ + me * slot_, wire_bytes(op_, mine), h_);
-          ts[k++] = c_.recv_from(g_.at(j), got_ + j * slot_, wire_bytes(op_, b_.size(j)), h_);
+          ts[k++] = c_.send_to(g_.at(j), final_ + pk_.offset(me), wire_bytes(op_, mine), h_);
+          ts[k++] = c_.recv_from(g_.at(j), final_ + pk_.offset(j), wire_bytes(op_, b_.size(j)), h_);
         }
         return k;
       case 2:  // every block from the same bytes on every rank, ours too
-        for (int j = 0; j < n; j++) {
-          const char* packet = j == me ? sent_ + me * slot_ : got_ + j * slot_;
-          decode(op_, out_ + b_.offset(j) * e, packet, b_.size(j), false);
-        }
+        for (int j = 0; j < n; j++) decode(op_, out_ + b_.offset(j) * e, final_ + pk_.offset(j), b_.size(j), false);
         return 0;
       default:
         return 0;
@@ -120,42 +130,87 @@ class CompressedExchange final : public Steps {
   const char* const in_;
   char* const out_;
   const CountedBlocks b_;
+  const CountedBlocks pk_;
   const size_t slot_;
   char* const sent_;
   char* const got_;
+  char* const final_;
   const WireHeader h_;
   int step_ = 0;
 };
 
 // Segment k: reduce-scatter inside the host, the compressed exchange of this rank's shard
-// across the hosts, all-gather inside the host (as ShardedAllReduce in twolevel.cc). Without
-// host phases (`cross` is then every rank), the exchange of each segment alone.
+// across the hosts, all-gather of the encoded shards inside the host (their packets in
+// scratch, [segment][local rank][block] at fixed places every rank computes alike), each
+// neighbour's shard decoded once it is in. Without host phases (`cross` is then every rank),
+// the exchange of each segment alone.
 class CompressedAllReduce final : public TwoLevelPipeline {
  public:
   CompressedAllReduce(Comm& c, const Coll& op, bool two_level)
       : TwoLevelPipeline(c, op, op.count, op.count * op.elem, two_level, two_level, unit_of(op)),
         two_level_(two_level), cross_(two_level ? c.topo.cross : c.world),
-        host_tmp_(two_level ? c.scratch(0, ring_chunk_bytes(c, op.elem)) : nullptr) {}
+        host_tmp_(two_level ? c.scratch(0, ring_chunk_bytes(c, op.elem)) : nullptr) {
+    if (!two_level) return;
+    std::vector<uint64_t> bytes;
+    for (size_t k = 0; k + 1 < segs_.offsets.size(); k++) bytes.push_back(host_packets(k).offset(t_.local.size()));
+    seg_packets_ = CountedBlocks(bytes);
+    packets_ = c.scratch(kFinalPackets, seg_packets_.offset(bytes.size()));
+  }
 
  private:
   int width() const override { return 2 * (cross_.size() - 1); }
+
+  CountedBlocks inside(int k) const { return unit_blocks(segs_.size(k), t_.local.size(), unit_of(op_)); }
+  // Segment k's encoded shards: local rank l's packets (its shard cut over the hosts), in l order.
+  CountedBlocks host_packets(int k) const {
+    const CountedBlocks in = inside(k);
+    std::vector<uint64_t> bytes;
+    for (int l = 0; l < t_.local.size(); l++) bytes.push_back(packets_of(op_, in.size(l), cross_.size()).offset(cross_.size()));
+    return CountedBlocks(bytes);
+  }
 
   std::unique_ptr<Steps> start(Phase phase, int k) override {
     const size_t e = op_.elem;
     Coll seg = op_;  // count stays the op's: it is the signature in the headers
     seg.send = op_.send + segs_.offset(k) * e;
     seg.recv = op_.recv + segs_.offset(k) * e;
-    if (!two_level_) return std::make_unique<CompressedExchange>(c_, cross_, op_, seg.send, seg.recv, segs_.size(k));
-    const CountedBlocks inside = unit_blocks(segs_.size(k), t_.local.size(), unit_of(op_));
-    if (phase == RS) return ring_reduce_to_blocks_steps(c_, t_.local, seg, inside, host_tmp_);
-    if (phase == AG) return ring_gather_blocks_steps(c_, t_.local, seg, seg.recv, inside);
-    char* shard = seg.recv + inside.offset(t_.local.me) * e;
-    return std::make_unique<CompressedExchange>(c_, cross_, op_, shard, shard, inside.size(t_.local.me));
+    if (!two_level_) {
+      char* final = c_.scratch(kFinalPackets, packets_of(op_, segs_.size(k), cross_.size()).offset(cross_.size()));
+      return std::make_unique<CompressedExchange>(c_, cross_, op_, seg.send, seg.recv, segs_.size(k), final);
+    }
+    const CountedBlocks in = inside(k);
+    if (phase == RS) return ring_reduce_to_blocks_steps(c_, t_.local, seg, in, host_tmp_);
+    char* packets = packets_ + seg_packets_.offset(k);
+    if (phase == AG) {
+      Coll bytes = seg;  // the packets, as bytes
+      bytes.elem = 1;
+      return ring_gather_blocks_steps(c_, t_.local, bytes, packets, host_packets(k));
+    }
+    char* shard = seg.recv + in.offset(t_.local.me) * e;
+    return std::make_unique<CompressedExchange>(c_, cross_, op_, shard, shard, in.size(t_.local.me),
+                                                packets + host_packets(k).offset(t_.local.me));
+  }
+
+  // The neighbours' shards of segment k, from the packets gathered inside the host.
+  void finished(Phase phase, int k) override {
+    if (phase != AG) return;
+    const CountedBlocks in = inside(k), hp = host_packets(k);
+    const char* packets = packets_ + seg_packets_.offset(k);
+    for (int l = 0; l < t_.local.size(); l++) {
+      if (l == t_.local.me) continue;
+      const CountedBlocks b = unit_blocks(in.size(l), cross_.size(), unit_of(op_));
+      const CountedBlocks pk = packets_of(op_, in.size(l), cross_.size());
+      char* shard = op_.recv + (segs_.offset(k) + in.offset(l)) * op_.elem;
+      for (int j = 0; j < cross_.size(); j++)
+        decode(op_, shard + b.offset(j) * op_.elem, packets + hp.offset(l) + pk.offset(j), b.size(j), false);
+    }
   }
 
   const bool two_level_;
   const Group& cross_;
   char* const host_tmp_;
+  CountedBlocks seg_packets_{std::vector<uint64_t>{}};  // each segment's packets, whole host
+  char* packets_ = nullptr;
 };
 
 }  // namespace
