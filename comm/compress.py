@@ -187,6 +187,9 @@ class _Probe:
 
     def step(self, c, desc: OpDesc, fmt: str) -> None:
         compressed = len(self.times) % 2 == 0
+        # Timed from a barrier: not the asynchronous calls still queued before this one (the
+        # DDP hook's earlier buckets), nor another rank's late arrival (backward's skew).
+        c.barrier()
         t0 = time.perf_counter()
         if compressed:
             _compressed(c, desc, fmt)
