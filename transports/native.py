@@ -51,6 +51,9 @@ else:  # the lean path checks reductions against the same table as the communica
     if (_native.LEAN_SKIPPED, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
+# OpDesc.wire as the engine's code (native/src/common.h: Wire).
+_WIRES = {None: 0, "bf16": 1, "fp8": 2}
+
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
 DIRECT_MAX_BYTES = 32 << 10
@@ -205,6 +208,7 @@ class NativeTransport(Transport):
     kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
     any_source = True
+    compressed_wire = True  # all_reduce with OpDesc.wire: the engine's twolevel_compress.cc
     net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP
 
     @classmethod
@@ -445,7 +449,8 @@ class NativeTransport(Transport):
                                      recv.ptr if recv is not None else 0,
                                      recv.nbytes if recv is not None else 0,
                                      desc.count, desc.root, desc.peer, desc.tag,
-                                     desc.send_counts or (), desc.recv_counts or (), blocking)
+                                     desc.send_counts or (), desc.recv_counts or (), blocking,
+                                     _WIRES[desc.wire], desc.wire_block)
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         if work is None:

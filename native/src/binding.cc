@@ -837,18 +837,25 @@ NB_MODULE(_native, m) {
           [](Engine& e, int kind, int dtype, int op, double scale, uintptr_t send,
              uint64_t send_bytes, uintptr_t recv, uint64_t recv_bytes, uint64_t count, int root,
              int peer, int tag, std::vector<uint64_t> send_counts,
-             std::vector<uint64_t> recv_counts, bool blocking) {
+             std::vector<uint64_t> recv_counts, bool blocking, int wire, uint64_t wire_block) {
             check_codes(kind, dtype, op);  // before the casts: enums hold only known codes
-            return e.post(OpArgs{static_cast<OpKind>(kind), static_cast<DType>(dtype),
-                                 static_cast<ReduceOp>(op), scale, send, send_bytes, recv,
-                                 recv_bytes, count, root, peer, tag, std::move(send_counts),
-                                 std::move(recv_counts)},
-                          blocking);
+            if (wire < 0 || wire >= static_cast<int>(Wire::COUNT))
+              fail(ErrorCode::INVALID_ARGUMENT, -1, "wire format code " + std::to_string(wire) + " is unknown");
+            OpArgs args{static_cast<OpKind>(kind), static_cast<DType>(dtype), static_cast<ReduceOp>(op),
+                        scale, send, send_bytes, recv, recv_bytes, count, root, peer, tag,
+                        std::move(send_counts), std::move(recv_counts)};
+            args.wire = static_cast<Wire>(wire);
+            args.wire_block = wire_block;
+            return e.post(std::move(args), blocking);
           },
-          release(),
+          nb::arg("kind"), nb::arg("dtype"), nb::arg("op"), nb::arg("scale"), nb::arg("send"),
+          nb::arg("send_bytes"), nb::arg("recv"), nb::arg("recv_bytes"), nb::arg("count"), nb::arg("root"),
+          nb::arg("peer"), nb::arg("tag"), nb::arg("send_counts"), nb::arg("recv_counts"), nb::arg("blocking"),
+          nb::arg("wire") = 0, nb::arg("wire_block") = 0, release(),
           "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
-          "completion.")
+          "completion. wire: 0 exact, 1 bf16, 2 fp8 (a float32 all_reduce compressed between hosts;\n"
+          "wire_block: fp8's elements per scale).")
       .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("counts").none(), nb::arg("timeout_s"),
            "The lean path, under the lock `busy`: None when it ran the collective, LEAN_BUSY\n"
