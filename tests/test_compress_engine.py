@@ -126,6 +126,25 @@ def test_engine_refuses_bad_wires_and_mixed_calls_fail():
         assert seen[6] != "no error" and f"rank {r}" in seen[6], f"rank {r}: {seen[6]}"
 
 
+def exact_beside_compressed(world) -> str:
+    import comm
+    z = np.ones(1 << 16, np.float32)
+    try:
+        world.all_reduce(z, compress="bf16" if world.rank == 0 else None)
+        return "no error"
+    except comm.CommError as e:
+        return type(e).__name__ + ": " + str(e)
+
+
+def test_engine_names_the_wire_when_ranks_disagree():
+    """Where the exact rank's algorithm also speaks in messages (here the ring), the headers
+    differ at the first one: Mismatch at once, naming the compressed side (the shared-memory
+    direct paths publish in slots instead, and the two sides meet only at the timeout)."""
+    results = run_ranks(exact_beside_compressed, 2, env={**FORCE, "COMM_ALGO": "ring", "COMM_TIMEOUT": "30"})
+    for r, seen in enumerate(results):
+        assert seen.startswith("Mismatch") and f"rank {r}" in seen and "compress=bf16" in seen, seen
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_engine_two_level_odd_sizes(fmt):
