@@ -501,6 +501,51 @@ def test_allocated_window_close(cluster):
     assert _cluster(cluster, "cma").run(_allocated_close) == [(2, 1, True, [True] * 3, 0)] * 2
 
 
+def _page_kib(addr: int) -> int:
+    """The kernel page size (KiB) of the mapping holding addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0] if line.strip() else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("KernelPageSize:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _allocated_large(world):
+    """A window of several MiB: on 2 MiB pages where the host has a pool of them, else on
+    small pages; either way a put past the first huge page lands where it should."""
+    n = 5 << 20
+    w = world.window(n)
+    page = _page_kib(w.buffer.ctypes.data)
+    peer = left = 1 - world.rank
+    w.put(peer, (np.arange(n - 4097, dtype=np.int64) % 251 + world.rank).astype(np.uint8), 4097)
+    w.flush()
+    w.fence()
+    want = (np.arange(n - 4097, dtype=np.int64) % 251 + left).astype(np.uint8)
+    ok = bool((w.buffer[4097:] == want).all() and not w.buffer[:4097].any())
+    w.close()
+    return page, ok
+
+
+def _huge_pages_free() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("HugePages_Free:"))
+
+
+def test_allocated_window_page_size(cluster):
+    pool = _huge_pages_free()
+    results = _cluster(cluster, "cma").run(_allocated_large)
+    assert all(ok for _, ok in results), results
+    if pool >= 2 * 3:   # 3 pages a window, beside whatever else took pages meanwhile
+        assert [page for page, _ in results] == [2048, 2048], results
+    else:
+        print(f"no pool of 2 MiB pages here (HugePages_Free {pool}): checked the small-page path only")
+        assert all(page in (4, 2048) for page, _ in results), results
+
+
 def _allocated_refusals(world):
     """Bad sizes refuse the window before any exchange; bad puts / gets on an allocated window
     are refused (the lean native call hands them to the full checks) before a byte moves."""
