@@ -37,10 +37,10 @@ from .launch import _child_env
 
 TRANSPORTS = ("native", "gloo")
 METRICS = [  # key, column head, format
-    ("start_s", "start s", "{:.1f}"), ("init_s", "init s", "{:.1f}"),
+    ("start_s", "start s", "{:.1f}"), ("init_s", "init s", "{:.1f}"), ("init_cpu_ms", "init cpu ms", "{:.0f}"),
     ("first_all_reduce_ms", "1st ar ms", "{:.1f}"), ("first_all_to_all_ms", "1st a2a ms", "{:.1f}"),
     ("all_reduce_1mib_ms", "ar 1M ms", "{:.1f}"), ("fds_init", "fds init", "{:d}"),
-    ("fds", "fds", "{:d}"), ("rss_mib", "rss MiB", "{:.0f}"), ("anon_mib", "anon MiB", "{:.0f}")]
+    ("fds", "fds", "{:d}"), ("fds_r0", "fds r0", "{:d}"), ("rss_mib", "rss MiB", "{:.0f}"), ("anon_mib", "anon MiB", "{:.0f}")]
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -174,9 +174,18 @@ class Job:
 
 
 # What a rank costs the machine, in MiB, as measured at 2x8 and 8x8: its own memory (RssAnon:
-# native 21, gloo 149, and page tables) and, for native, its share of its host's
-# shared memory: a 2 MiB collective ring and a 128 KiB p2p ring per pair of local ranks.
-RANK_MIB = {"native": (30, 2.2), "gloo": (160, 0)}   # fixed, per local rank
+# native 21, gloo 149, and page tables) and, for native, its share of its host's shared
+# memory: a collective ring and a 128 KiB p2p ring per local peer (native/src/shm.h: 2 MiB
+# rings up to 8 peers, beyond that 16 MiB shared among them, at least 512 KiB each).
+RANK_MIB = {"native": 30, "gloo": 160}
+
+
+def shared_mib(transport: str, per_host: int) -> float:
+    if transport != "native":
+        return 0.0
+    peers = max(1, per_host - 1)
+    ring = 2.0 if peers <= 8 else max(0.5, 16.0 / peers)
+    return per_host * (ring + 0.125)
 
 
 def memory_short(hosts: int, per_host: int, transport: str) -> str | None:
@@ -184,8 +193,7 @@ def memory_short(hosts: int, per_host: int, transport: str) -> str | None:
     the OOM killer (of everything else it runs too) is refused before it starts."""
     with open("/proc/meminfo") as f:
         avail = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) / 1024
-    fixed, per_local = RANK_MIB[transport]
-    need = hosts * per_host * (fixed + per_local * per_host)
+    need = hosts * per_host * (RANK_MIB[transport] + shared_mib(transport, per_host))
     if need > 0.8 * avail:
         return (f"not started: {hosts * per_host} ranks need about {need / 1024:.1f} GiB, "
                 f"{avail / 1024:.1f} GiB available")
@@ -217,12 +225,16 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
     for r in results:
         for kind, w in r["wrong"].items():
             kinds[kind] = kinds.get(kind, 0) + w
+    # rank 0 hosts the rendezvous store (as torch's TCPStore): one socket per rank, its own column
+    others = [r for r in results if r["rank"] != 0] or results
     row.update(start_s=worst["start_s"], init_s=worst["ready_s"],
                init_median_s=statistics.median(r["ready_s"] for r in results),
+               init_cpu_ms=statistics.median(r["init_cpu_s"] for r in results) * 1e3,
                first_all_reduce_ms=worst["first_all_reduce_s"] * 1e3,
                first_all_to_all_ms=worst["first_all_to_all_s"] * 1e3,
                all_reduce_1mib_ms=worst["all_reduce_1mib_s"] * 1e3,
-               fds_base=worst["fds_base"], fds_init=worst["fds_init"], fds=worst["fds"],
+               fds_base=worst["fds_base"], fds_init=worst["fds_init"], fds=max(r["fds"] for r in others),
+               fds_r0=next((r["fds"] for r in results if r["rank"] == 0), worst["fds"]),
                rss_mib=worst["rss_mib"], rss_base_mib=worst["rss_base_mib"],
                anon_mib=worst["anon_mib"], anon_base_mib=worst["anon_base_mib"],
                wrong=sum(kinds.values()), wrong_by_kind=kinds, checked=sorted(kinds))
@@ -309,7 +321,7 @@ def growth(rows: list[dict]) -> str:
             for key, _, fmt in METRICS:
                 if key not in a or key not in b:
                     cells.append("-")
-                elif key in ("fds", "fds_init", "rss_mib", "anon_mib"):
+                elif key in ("fds", "fds_r0", "fds_init", "rss_mib", "anon_mib"):
                     cells.append(f"{b[key] - a[key]:+.0f}")
                 else:
                     cells.append(f"x{b[key] / a[key]:.2f}" if a[key] else "-")

@@ -232,9 +232,11 @@ def sweep(t, per_host: int) -> dict:
 
 def main() -> None:
     fds_base, rss_base, anon_base = descriptors(), rss_mib(), rss_mib("RssAnon")
+    cpu = time.process_time()   # every thread's: on a shared machine the wall time says little
     t = Gloo() if TRANSPORT == "gloo" else Native()
     ready = time.monotonic()
     result = {"rank": t.rank, "start_s": started - T0, "ready_s": ready - T0,
+              "init_cpu_s": time.process_time() - cpu,
               "fds_base": fds_base, "fds_init": descriptors(), "rss_base_mib": rss_base,
               "anon_base_mib": anon_base}
     mark = os.path.join(OUTDIR, f"{t.rank}.ready")

@@ -13,7 +13,8 @@ both ends when it returns, so the libraries compare like for like:
                                            last with a signal; wait for the left neighbour's
 
     CommWindows   this library: comm.Window (put / get / flush / put(signal=) / wait_signal)
-    MpiWindows    MPI RMA through mpi4py: MPI_Win_create + lock_all, MPI_Put / MPI_Get +
+                  over a window the library allocates (world.window(nbytes))
+    MpiWindows    MPI RMA through mpi4py: MPI_Win_allocate + lock_all, MPI_Put / MPI_Get +
                   MPI_Win_flush; a signal is an MPI_Put of a count into a counter window after
                   a flush (MPI has no put-with-signal), seen by polling it (MPI_Win_sync)
     P2PWindows    this library's two-sided send / recv doing the same transfers (the receiver
@@ -50,7 +51,12 @@ def left_of(rank: int, peer: int, size: int) -> int:
 
 class CommWindows:
     def open_window(self, mem: np.ndarray) -> Handle:
-        return Handle(mem, self.world.window(mem, signals=1))
+        # The library allocates the window (world.window(nbytes)), as MpiWindows' MPI_Win_allocate:
+        # peers on one host map it and a put is a memcpy; across hosts it is the message path.
+        win = self.world.window(mem.nbytes, signals=1)
+        win.buffer[:] = mem
+        win.fence()   # every window holds its start before anyone reads it
+        return Handle(win.buffer, win)
 
     def close_window(self, h: Handle) -> None:
         h.win.close()

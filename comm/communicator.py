@@ -18,6 +18,8 @@ import struct
 import threading
 import weakref
 
+import numpy as np
+
 from . import auth, config, elastic, log, rendezvous, vcollectives
 from . import compress as compression
 from .buffers import Buffer, as_buffer
@@ -644,12 +646,23 @@ class Communicator:
 
     # ---- one-sided -----------------------------------------------------------------------------
     def window(self, buf, *, signals: int = 64) -> Window:
-        """Collective: expose buf (host memory; sizes may differ per rank, 0 bytes too) to every
-        rank for put / get, with `signals` counters on each rank (comm.window.Window)."""
+        """Collective: a window on every rank for put / get, with `signals` counters on each
+        rank (comm.window.Window). `buf` is this rank's window: an array (host memory) to
+        expose, or an int, a number of bytes the library allocates (as MPI_Win_allocate: the
+        ranks of a host map each other's, so a put between them is a memcpy; w.buffer is the
+        memory, zeroed). Sizes may differ per rank, 0 bytes too; ranks may mix both forms."""
         name = "window"
-        mem = self._buf(buf, name, writable=True, what="window")
-        if mem.device != "cpu":
-            raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
+        nbytes = None
+        if isinstance(buf, (bool, np.bool_)) or isinstance(buf, (float, np.floating)):
+            raise self._error(name, f"nbytes={buf!r} must be an int (or pass an array to expose)")
+        if isinstance(buf, (int, np.integer)):
+            nbytes = int(buf)
+            if nbytes < 0:
+                raise self._error(name, f"nbytes={buf!r} must not be negative")
+        else:
+            mem = self._buf(buf, name, writable=True, what="window")
+            if mem.device != "cpu":
+                raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
         try:
             count = _integer(signals)
         except TypeError:
@@ -661,7 +674,11 @@ class Communicator:
         if not self._busy.acquire(False):
             raise self._overlap(name)
         try:
-            tw = self._transport.window(mem, count)
+            if nbytes is None:
+                tw = self._transport.window(mem, count)
+            else:
+                tw = self._transport.window_allocate(nbytes, count)
+                mem = as_buffer(tw.memory, op=name, writable=True)
         except CommError as e:
             if isinstance(e, TransportUnavailable):
                 raise e.locate(self.rank, name) from None

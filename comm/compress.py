@@ -3,8 +3,12 @@
     world.all_reduce(grad, compress="bf16")     # or "fp8"; likewise reduce_scatter,
                                                 # all_gather, their v forms and *_init
 
-A layer above the transports, built from the communicator's own collectives, so it runs on
-every transport. Formats: "bf16" (float32 / float64 data sent as bfloat16, rounded to
+A layer above the transports. On the native engine (and its UCX / verbs channels) a
+compressed all_reduce runs inside the engine (native/src/twolevel_compress.cc: the same
+algorithm, its network phase encoding and decode-adding on the engine's thread, pipelined with
+the shared-memory phases; async_op=True returns a Work that completes later); everything else
+is built from the communicator's own collectives (comm/compress_plan.py), so it runs on every
+transport. Formats: "bf16" (float32 / float64 data sent as bfloat16, rounded to
 nearest even) and "fp8" (e4m3 codes with one float32 scale per block of COMM_COMPRESS_BLOCK
 elements; see native/src/compress.h). Every partial sum is kept in float32 by the receiver.
 
@@ -34,17 +38,18 @@ wire is as wide as the data (bfloat16 or float16 data with "bf16") the exact pat
 COMM_DEBUG=1 logs the path each (op, format) first takes, and each measured choice.
 The algorithm itself lives in comm/compress_plan.py.
 
-The calls run on the caller's thread; with async_op=True the returned Work is complete.
+The plan's calls run on the caller's thread; with async_op=True the returned Work is complete.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from . import config, log
 from .errors import CommError, TransportUnavailable
-from .compress_plan import FORMAT_CLASSES, Plan, _native, two_level
+from .compress_plan import FORMAT_CLASSES, Plan, _load, _native, _store_into, two_level
 from .ops import OpDesc, OpKind
 from .types import DType, ReduceOp
 from .work import Work
@@ -122,22 +127,38 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
     log.algorithm(c.rank, c._ctx.group_name, label, taken)
     if not taken.startswith("compressed"):
         return c._post(desc, async_op)
-    _compressed(c, desc, fmt)
-    return Work(c, _Ran(), label, None) if async_op else None
+    return _compressed(c, desc, fmt, async_op)
 
 
-def _compressed(c, desc: OpDesc, fmt: str) -> None:
+def _compressed(c, desc: OpDesc, fmt: str, async_op: bool = False):
+    """Runs desc compressed: an all_reduce in the transport's engine where it has one (a real
+    Work with async_op), else the plan (comm/compress_plan.py) on this thread."""
     label = desc.kind.label
+    block = config.get("COMM_COMPRESS_BLOCK")
+    if desc.kind is OpKind.ALL_REDUCE and c._transport.compressed_wire:
+        if desc.dtype is DType.FLOAT32:
+            return c._post(replace(desc, wire=fmt, wire_block=block), async_op)
+        # other floats: summed as float32 in a workspace, converted back (as the plan does);
+        # _load applies PREMUL_SUM's factor, the engine AVG's
+        work = np.empty(desc.count, np.float32)
+        _load(work, desc.send, 0, desc.count, desc)
+        buf = c._buf(work, label, writable=True, what="input")
+        op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
+        c._post(OpDesc(OpKind.ALL_REDUCE, buf, buf, DType.FLOAT32, desc.count, op, wire=fmt, wire_block=block),
+                False)
+        _store_into(desc.recv.numpy(), 0, work, desc.dtype)
+        return Work(c, _Ran(), label, None) if async_op else None
     if c._failure is not None or c._closed:
         c._refuse(label)
     if not c._busy.acquire(False):
         raise c._overlap(label)
     try:
-        _plan(c).run(desc, FORMAT_CLASSES[fmt](config.get("COMM_COMPRESS_BLOCK")))
+        _plan(c).run(desc, FORMAT_CLASSES[fmt](block))
     except CommError as e:
         raise c._failed_op(label, e) from None
     finally:
         c._busy.release()
+    return Work(c, _Ran(), label, None) if async_op else None
 
 
 # COMM_COMPRESS=auto measures, per communicator, operation, format and power-of-two size, the
@@ -166,6 +187,9 @@ class _Probe:
 
     def step(self, c, desc: OpDesc, fmt: str) -> None:
         compressed = len(self.times) % 2 == 0
+        # Timed from a barrier: not the asynchronous calls still queued before this one (the
+        # DDP hook's earlier buckets), nor another rank's late arrival (backward's skew).
+        c.barrier()
         t0 = time.perf_counter()
         if compressed:
             _compressed(c, desc, fmt)

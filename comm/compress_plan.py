@@ -1,7 +1,8 @@
 """The algorithm of compressed collectives (comm.compress): the wire formats, the
 sub-communicators of one communicator's compressed calls, and the phases built from their
 collectives (see comm/compress.py for the whole picture). Nothing here decides whether to
-compress; comm.compress does, and calls Plan.run.
+compress; comm.compress does, and calls Plan.run. A transport that compresses an all_reduce
+itself (Transport.compressed_wire: the native engine) never reaches Plan.all_reduce.
 """
 from __future__ import annotations
 

@@ -5,12 +5,21 @@ windows, and signal counters (Communicator.window).
         w.put(peer, block, offset, signal=request_id % 64)
         w.flush()                          # or let the target wait_signal(k, n)
 
+    w = world.window(1 << 20)              # the library allocates the window (as
+    pool = w.buffer                        # MPI_Win_allocate): peers on this host map it,
+                                           # so a put to them is a memcpy
+
 A transport's window (transports.base.TransportWindow) moves the bytes; this layer does all
 argument checking (peer, offset, size and signal index against `sizes` before anything
 moves), keeps every source and destination alive until the flush that completes it (the
 engine reads and writes them after put / get return, as MPI_Put does), refuses a window whose
 buffer was resized or freed under it (torch tensors), and refuses every call once the window
 or its communicator is closed, revoked or failed.
+
+put / get / flush try the transport's lean calls first (TransportWindow.put_lean...): they take
+the plain case (a numpy array or CPU tensor, exact ints in range) in one native call, moving
+nothing otherwise, and the full path below then checks, names the error or does the work.
+A lean put that completes inside the call (a mapped or CMA peer) leaves nothing to hold.
 """
 from __future__ import annotations
 
@@ -38,6 +47,13 @@ class Window:
         # peer -> buffers the engine may still read or write: let go at the flush that ends them
         self._held: dict[int, list] = {}
         self._closed = False
+        # The lean calls, unless the window's memory is a torch tensor (its resize check is
+        # the full path's); None once closed.
+        lean = not type(mem.obj).__module__.startswith("torch")
+        self._put_lean = transport_window.put_lean if lean else None
+        self._get_lean = transport_window.get_lean if lean else None
+        self._flush_lean = transport_window.flush_lean if lean else None
+        self._wait_lean = transport_window.wait_signal_lean if lean else None
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -50,9 +66,19 @@ class Window:
         if exc[0] is None:
             self.close()
         elif not self._closed:  # a failed body: a collective close could hang on ranks that
-            self._closed = True  # never get there, so only this rank's side is let go
-            self._held.clear()
+            self._set_closed()   # never get there, so only this rank's side is let go
             self._tw.close()
+
+    @property
+    def buffer(self):
+        """This rank's window memory: for world.window(nbytes) a numpy uint8 array of the
+        library's memory (torch.from_numpy(w.buffer) wraps it without a copy), else the array
+        the window was made over. Peers write into it until close(); an array taken from it
+        stays readable after close while you hold it, but nobody writes into it any more."""
+        if self._closed:
+            raise Closed("the window is closed", rank=self.rank, op="buffer")
+        memory = self._tw.memory
+        return self._mem.obj if memory is None else memory
 
     @property
     def signals(self) -> int:
@@ -127,11 +153,26 @@ class Window:
         """A transport failure: the communicator is poisoned as for any other operation."""
         return self._comm._failed_op(op, e)
 
+    def _lean_failed(self, op: str, e: Exception) -> Exception:
+        err = self._tw.lean_error(e, op)
+        return self._failed(op, err) if isinstance(err, CommError) else err
+
     # ---- one-sided operations ----------------------------------------------------------------
     def put(self, peer: int, src, offset: int = 0, *, signal: int | None = None) -> None:
         """Copy src's bytes into `peer`'s window at byte `offset` (non-blocking: src must not
         change until flush). signal=k: once these bytes and everything this rank put to
         `peer` before them have landed, the peer's counter k goes up by 1."""
+        lean = self._put_lean
+        if lean is not None and self._comm._failure is None and not self._comm._closed:
+            try:
+                moved = lean(peer, src, offset, signal)
+            except Exception as e:
+                raise self._lean_failed("put", e) from None
+            if moved > 0:
+                return
+            if moved == 0:   # in flight: the engine reads src until the flush
+                self._held.setdefault(peer, []).append(src)
+                return
         op = "put"
         self._usable(op)
         p = self._peer(op, peer)
@@ -147,6 +188,17 @@ class Window:
     def get(self, peer: int, dst, offset: int = 0) -> None:
         """Read len(dst) bytes of `peer`'s window from byte `offset` into dst (non-blocking:
         dst holds them after flush)."""
+        lean = self._get_lean
+        if lean is not None and self._comm._failure is None and not self._comm._closed:
+            try:
+                moved = lean(peer, dst, offset)
+            except Exception as e:
+                raise self._lean_failed("get", e) from None
+            if moved > 0:
+                return
+            if moved == 0:
+                self._held.setdefault(peer, []).append(dst)
+                return
         op = "get"
         self._usable(op)
         p = self._peer(op, peer)
@@ -160,6 +212,19 @@ class Window:
 
     def flush(self, peer: int | None = None) -> None:
         """Every put / get this rank issued (to `peer`, or to all) is complete at both ends."""
+        lean = self._flush_lean
+        if lean is not None and self._comm._failure is None and not self._comm._closed:
+            try:
+                done = lean(peer)
+            except Exception as e:
+                raise self._lean_failed("flush", e) from None
+            if done:
+                if self._held:
+                    if peer is None:
+                        self._held.clear()
+                    else:
+                        self._held.pop(peer, None)
+                return
         op = "flush"
         self._usable(op)
         p = -1 if peer is None else self._peer(op, peer)
@@ -175,6 +240,17 @@ class Window:
     def wait_signal(self, k: int, value: int, *, timeout: float | None = None) -> None:
         """Block until this rank's counter k is at least `value` (Timeout after `timeout`
         seconds, default the communicator's; a dead peer fails it; Ctrl-C works)."""
+        lean = self._wait_lean
+        c = self._comm
+        if lean is not None and timeout is None and c._failure is None and not c._closed:
+            try:
+                if lean(k, value, c.timeout):
+                    return
+            except Exception as e:
+                err = self._tw.lean_error(e, "wait_signal")
+                if isinstance(err, CommTimeout):   # the caller's to handle, as below
+                    raise err.locate(self.rank, "wait_signal") from None
+                raise self._lean_failed("wait_signal", e) from None
         op = "wait_signal"
         self._usable(op)
         i = self._signal_index(op, k)
@@ -227,13 +303,17 @@ class Window:
         op = "window.close"
         c = self._comm
         if c._failure is not None or c._closed:  # nothing can reach it any more: just let go
-            self._closed = True
-            self._held.clear()
+            self._set_closed()
             self._tw.close()
             return
         try:
             self._collective(op)
         finally:
-            self._closed = True
-            self._held.clear()
+            self._set_closed()
             self._tw.close()
+
+    def _set_closed(self) -> None:
+        self._closed = True
+        self._put_lean = self._get_lean = self._flush_lean = self._wait_lean = None
+        self._held.clear()
+        self._mem = None   # an allocated window's memory goes with the last array over it

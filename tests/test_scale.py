@@ -18,8 +18,9 @@ from reference import HAVE_TORCH
 
 PY = sys.executable
 NO_CLUSTER = unavailable()
-COLUMNS = ["shape", "ranks", "transport", "start", "s", "init", "s", "1st", "ar", "ms", "1st", "a2a", "ms",
-           "ar", "1M", "ms", "fds", "init", "fds", "rss", "MiB", "anon", "MiB", "checked"]
+COLUMNS = ["shape", "ranks", "transport", "start", "s", "init", "s", "init", "cpu", "ms", "1st", "ar", "ms",
+           "1st", "a2a", "ms", "ar", "1M", "ms", "fds", "init", "fds", "fds", "r0", "rss", "MiB", "anon", "MiB",
+           "checked"]
 
 
 def _scale(args, timeout=240):

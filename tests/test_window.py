@@ -90,11 +90,13 @@ def test_edges(cluster, name):
 
 # ---- many puts in flight, to one and to many peers; disjoint ranges from several origins -------
 
-def _many(world, count, block):
+def _many(world, count, block, allocated=False):
     n, me = world.size, world.rank
-    buf = np.zeros(n * count * block, np.uint8)   # origin o, put i -> block (o * count + i)
+    nbytes = n * count * block   # origin o, put i -> block (o * count + i)
     srcs = [[_pattern(me, block, i + 97 * p) for i in range(count)] for p in range(n)]
-    with world.window(buf) as w:
+    buf = None if allocated else np.zeros(nbytes, np.uint8)
+    with world.window(nbytes if allocated else buf) as w:
+        buf = w.buffer
         _rma_over_ucx(world, w)
         for i in range(count):            # interleaved: every peer has many in flight at once
             for p in range(n):
@@ -204,14 +206,14 @@ def test_window_left_open_at_communicator_close(name):
 
 # ---- a random sequence of puts and gets against a model ----------------------------------------
 
-def _replay(world, ops, size):
+def _replay(world, ops, size, allocated=False):
     """ops: (origin, peer, offset, length, is_put, salt). Every rank replays the same list,
     issuing its own, with a fence after each step of 8; the model does the same."""
     n, me = world.size, world.rank
-    buf = np.zeros(size, np.uint8)
     model = np.zeros((n, size), np.uint8)
     first_bad = -1   # every rank goes on to the end: the fences stay collective
-    with world.window(buf) as w:
+    with world.window(size if allocated else np.zeros(size, np.uint8)) as w:
+        buf = w.buffer
         _rma_over_ucx(world, w)
         for step in range(0, len(ops), 8):
             gets = []
@@ -257,6 +259,14 @@ def _sequences(draw, n=2, size=512):
 @given(ops=_sequences())
 def test_random_sequences_against_a_model(cluster, name, ops):
     assert _cluster(cluster, name).run(_replay, ops, 512) == [-1, -1]
+
+
+@pytest.mark.parametrize("name", ["cma", *slow_params("tcp")])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=_sequences())
+def test_random_sequences_against_a_model_allocated(cluster, name, ops):
+    """The same on windows the library allocates: cma maps them (memcpy), tcp sends messages."""
+    assert _cluster(cluster, name).run(_replay, ops, 512, True) == [-1, -1]
 
 
 # ---- torch tensors -------------------------------------------------------------------------------
@@ -382,9 +392,8 @@ def test_target_refuses_what_its_origin_should_not_send(cluster, name):
     assert _cluster(cluster, name).run(_hostile) == [((True, 1, True), True), (None, True)]
 
 
-def _put_to_dead_peer(world):
-    buf = np.zeros(1 << 20, np.uint8)
-    w = world.window(buf)
+def _put_to_dead_peer(world, allocated=False):
+    w = world.window(1 << 20 if allocated else np.zeros(1 << 20, np.uint8))
     _rma_over_ucx(world, w)
     world.barrier()
     if world.rank == 1:
@@ -403,12 +412,14 @@ def _put_to_dead_peer(world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize("name", [*SETUPS, "mapped"])
 def test_put_to_dead_peer_fails_within_the_timeout(name):
-    transport, env = SETUPS[name]
+    """mapped: an allocated window on one host, where a put is a store into the dead peer's
+    memory (it cannot fail): the flush finds the peer gone."""
+    transport, env = SETUPS["cma" if name == "mapped" else name]
     c = Cluster(2, transport, env=dict(env, COMM_TIMEOUT="10"))
     try:
-        c.submit(_put_to_dead_peer)
+        c.submit(_put_to_dead_peer, name == "mapped")
         out = c.collect([0], timeout=60)
     finally:
         c.close()
@@ -431,12 +442,14 @@ def test_revoked_communicator_refuses_its_windows():
     assert run_ranks(_closed_communicator, 2, timeout=60) == [True, True]
 
 
-def _all_pairs(world):
+def _all_pairs(world, allocated=False):
     """Every rank puts into every other's window, with a signal: peers outside the engine's
-    plan (not connected at set-up) are connected on first use."""
+    plan (not connected at set-up) are connected on first use. allocated: windows the library
+    allocates, mapped by the peers on the same host, messages to the other host."""
     before = sorted(world._transport.connected_peers())
-    buf = np.zeros(8 * world.size, np.uint8)
-    with world.window(buf, signals=1) as w:
+    nbytes = 8 * world.size
+    with world.window(nbytes if allocated else np.zeros(nbytes, np.uint8), signals=1) as w:
+        buf = w.buffer
         for p in range(world.size):
             if p != world.rank:
                 w.put(p, np.full(8, world.rank + 1, np.uint8), 8 * world.rank, signal=0)
@@ -447,7 +460,8 @@ def _all_pairs(world):
 
 
 @pytest.mark.slow
-def test_window_peers_are_connected_on_first_use():
+@pytest.mark.parametrize("allocated", [False, True], ids=["user", "allocated"])
+def test_window_peers_are_connected_on_first_use(allocated):
     from bench.cluster import NetnsCluster, unavailable
     if unavailable():
         pytest.skip(str(unavailable()))
@@ -456,11 +470,249 @@ def test_window_peers_are_connected_on_first_use():
         c = Cluster(len(placement), netns=[hosts.ns[h] for h in placement], timeout=120,
                     env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_CONNECT": "lazy"})
         try:
-            out = c.run(_all_pairs, timeout=240)
+            out = c.run(_all_pairs, allocated, timeout=240)
         finally:
             c.close()
     assert all(ok for ok, _ in out), out
     assert min(k for _, k in out) < len(placement) - 1, f"every rank was connected to every peer at set-up: {out}"
+
+
+# ---- windows the library allocates: world.window(nbytes) -------------------------------------------
+
+def _window_mappings():
+    """How many mappings of window memory (allocated windows, its own and its peers') this
+    process has: the memfd's name shows in /proc/self/maps."""
+    with open("/proc/self/maps") as f:
+        return sum("comm-window-memory" in line for line in f)
+
+
+def _allocated_edges(world):
+    """Even ranks allocate their windows, odd ranks expose an array (both at once is allowed):
+    rank r writes rank r+1's window (whole, last byte, 0 bytes at the end, a notification,
+    then 100 small puts in flight with a signal each) and reads every window back."""
+    n, me = world.size, world.rank
+    size = 4096 + 8 * me
+    own = None if me % 2 == 0 else np.zeros(size, np.uint8)
+    written = {}
+    for p in range(n):   # what rank p's window holds at the end
+        w_ = _pattern((p - 1) % n, 4096 + 8 * p, 1)
+        w_[-1] = 200 + (p - 1) % n
+        w_[:800] = _pattern((p - 1) % n, 800, 2)
+        written[p] = w_
+    with world.window(size if own is None else own, signals=4) as w:
+        fresh = w.buffer.dtype == np.uint8 and w.buffer.shape == (size,) and not w.buffer.any()
+        assert (w.buffer is own) if own is not None else fresh
+        assert w.sizes == tuple(4096 + 8 * p for p in range(n))
+        world.barrier()
+        p = (me + 1) % n
+        w.put(p, _pattern(me, w.sizes[p], 1))
+        w.put(p, np.full(1, 200 + me, np.uint8), w.sizes[p] - 1)
+        w.put(p, np.zeros(0, np.uint8), w.sizes[p])
+        w.put(p, np.zeros(0, np.uint8), signal=3)
+        w.flush(p)   # the whole-window put lands before the small ones below overwrite it
+        small = _pattern(me, 800, 2)
+        for i in range(100):
+            w.put(p, small[8 * i:8 * i + 8], 8 * i, signal=1)
+        w.flush()
+        w.wait_signal(3, 1, timeout=10)
+        w.wait_signal(1, 100, timeout=10)
+        signals = [w.signal(k) for k in range(4)]
+        world.barrier()
+        mine = bool(np.array_equal(w.buffer, written[me]))
+        back = []
+        for p in range(n):
+            whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
+            w.get(p, whole)
+            w.get(p, last, w.sizes[p] - 1)
+            w.get(p, empty, w.sizes[p])
+            w.flush(p)
+            back.append(bool(last[0] == whole[-1] and np.array_equal(whole, written[p])))
+        w.fence()
+    return mine, back, signals
+
+
+@pytest.mark.parametrize("name", ["cma", "shm", "tcp", *slow_params("ucx")])
+def test_allocated_windows_edges(cluster, name):
+    """cma: mapped peers (and CMA into the odd rank's array); shm: mapped peers and shm-ring
+    messages into the array (no CMA); tcp and ucx: the message path everywhere."""
+    n = 3
+    assert _cluster(cluster, name, n).run(_allocated_edges) == [(True, [True] * n, [0, 100, 0, 1])] * n
+
+
+@pytest.mark.parametrize("count, block", [(200, 96), (2, (2 << 20) + 5)], ids=["many", "large"])
+def test_allocated_many_and_large_puts(cluster, count, block):
+    n = 3
+    assert _cluster(cluster, "cma", n).run(_many, count, block, True) == [(True, [count] * n)] * n
+
+
+def _allocated_close(world):
+    """A window's mappings live until close(): then this rank's mappings of its peers' windows
+    are gone (it cannot write into them any more), its own memory stays while an array taken
+    from w.buffer holds it, and goes with that array."""
+    me, peer = world.rank, 1 - world.rank
+    base = _window_mappings()
+    w = world.window(4096, signals=1)
+    mapped = _window_mappings() - base   # its own and its peer's
+    mem = w.buffer
+    w.put(peer, np.full(8, 5 + me, np.uint8), 8, signal=0)
+    w.flush()
+    w.wait_signal(0, 1, timeout=10)
+    w.close()
+    after_close = _window_mappings() - base
+    kept = bool((mem[8:16] == 5 + peer).all())
+    refused = []
+    for call in (lambda: w.put(peer, np.zeros(1, np.uint8)), lambda: w.flush(), lambda: w.buffer):
+        try:
+            call()
+        except comm.Closed:
+            refused.append(True)
+        else:
+            refused.append(False)
+    del mem
+    import gc
+    gc.collect()
+    return mapped, after_close, kept, refused, _window_mappings() - base
+
+
+def test_allocated_window_close(cluster):
+    assert _cluster(cluster, "cma").run(_allocated_close) == [(2, 1, True, [True] * 3, 0)] * 2
+
+
+def _page_kib(addr: int) -> int:
+    """The kernel page size (KiB) of the mapping holding addr (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0] if line.strip() else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("KernelPageSize:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def _allocated_large(world):
+    """A window of several MiB: on 2 MiB pages where the host has a pool of them, else on
+    small pages; either way a put past the first huge page lands where it should."""
+    n = 5 << 20
+    w = world.window(n)
+    page = _page_kib(w.buffer.ctypes.data)
+    peer = left = 1 - world.rank
+    w.put(peer, (np.arange(n - 4097, dtype=np.int64) % 251 + world.rank).astype(np.uint8), 4097)
+    w.flush()
+    w.fence()
+    want = (np.arange(n - 4097, dtype=np.int64) % 251 + left).astype(np.uint8)
+    ok = bool((w.buffer[4097:] == want).all() and not w.buffer[:4097].any())
+    w.close()
+    return page, ok
+
+
+def _huge_pages_free() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("HugePages_Free:"))
+
+
+def test_allocated_window_page_size(cluster):
+    pool = _huge_pages_free()
+    results = _cluster(cluster, "cma").run(_allocated_large)
+    assert all(ok for _, ok in results), results
+    if pool >= 2 * 3:   # 3 pages a window, beside whatever else took pages meanwhile
+        assert [page for page, _ in results] == [2048, 2048], results
+    else:
+        print(f"no pool of 2 MiB pages here (HugePages_Free {pool}): checked the small-page path only")
+        assert all(page in (4, 2048) for page, _ in results), results
+
+
+def _allocated_refusals(world):
+    """Bad sizes refuse the window before any exchange; bad puts / gets on an allocated window
+    are refused (the lean native call hands them to the full checks) before a byte moves."""
+    me, peer = world.rank, 1 - world.rank
+    errors = []
+
+    def refused(fn, *args, **kw):
+        try:
+            fn(*args, **kw)
+        except comm.InvalidArgument as e:
+            errors.append((e.op, e.rank))
+        else:
+            errors.append(None)
+
+    for bad in (True, -1, 2.5, np.float32(1.0), np.int64(-8)):
+        refused(world.window, bad)
+    w = world.window(np.int32(64), signals=2)   # numpy's ints are ints
+    src = np.full(8, 7, np.uint8)
+    refused(w.put, peer, src, 60)               # past the end
+    refused(w.put, peer, np.zeros(65, np.uint8))
+    refused(w.put, peer, src, -1)
+    refused(w.put, True, src)                   # a bool is no rank
+    refused(w.put, peer, src, 1.0)              # nor an offset
+    refused(w.put, 2, src)
+    refused(w.put, peer, src, signal=2)
+    refused(w.put, peer, src, signal=-1)
+    refused(w.put, peer, np.zeros(16, np.uint8)[::2])
+    refused(w.get, peer, np.zeros(4, np.uint8), 62)
+    readonly = np.zeros(4, np.uint8)
+    readonly.flags.writeable = False
+    refused(w.get, peer, readonly)
+    refused(w.flush, 2)
+    w.fence()
+    untouched = not w.buffer.any() and w.signal(0) == 0 and w.signal(1) == 0
+    w.close()
+    return errors, untouched
+
+
+def test_allocated_window_refusals(cluster):
+    out = _cluster(cluster, "cma").run(_allocated_refusals)
+    for rank, (errors, untouched) in enumerate(out):
+        assert errors == [("window", rank)] * 5 + [("put", rank)] * 9 + [("get", rank)] * 2 + [("flush", rank)]
+        assert untouched
+
+
+def _allocated_empty(world):
+    """0 bytes on one rank: its window is empty, a put into it is a pure notification."""
+    me, peer = world.rank, 1 - world.rank
+    with world.window(0 if me == 0 else 16, signals=1) as w:
+        empty = w.buffer.shape == ((0,) if me == 0 else (16,)) and w.sizes == (0, 16)
+        w.put(peer, np.zeros(0 if peer == 0 else 16, np.uint8), 0, signal=0)
+        w.flush()
+        w.wait_signal(0, 1, timeout=10)
+        try:
+            w.put(0, np.zeros(1, np.uint8))
+        except comm.InvalidArgument:
+            refused = True
+        else:
+            refused = False
+        w.fence()
+    return empty, refused
+
+
+def test_allocated_window_of_0_bytes(cluster):
+    assert _cluster(cluster, "cma").run(_allocated_empty) == [(True, True)] * 2
+
+
+def _allocated_torch(world):
+    import torch
+    me, peer = world.rank, 1 - world.rank
+    with world.window(4 * 16 * 2, signals=1) as w:
+        pool = torch.from_numpy(w.buffer).view(torch.bfloat16).view(4, 16)   # no copy
+        block = torch.full((16,), float(me + 1), dtype=torch.bfloat16)
+        w.put(peer, block, 16 * 2 * me, signal=0)   # a tensor as the source (the lean path)
+        w.flush()
+        w.wait_signal(0, 1, timeout=10)
+        seen = bool((pool[peer] == float(peer + 1)).all())
+        pool[3] = 9.0   # written through the tensor: the peer reads it from its mapping
+        world.barrier()
+        got = torch.zeros(16, dtype=torch.bfloat16)
+        w.get(peer, got, 16 * 2 * 3)
+        w.flush()
+        w.fence()
+        return seen, bool((got == 9.0).all())
+
+
+@pytest.mark.slow   # importing torch in the ranks takes 5-10 s here
+def test_allocated_window_torch(cluster):
+    pytest.importorskip("torch", reason="torch is not installed")
+    assert _cluster(cluster, "cma").run(_allocated_torch) == [(True, True)] * 2
 
 
 @pytest.mark.slow

@@ -13,7 +13,10 @@ import os
 import time
 from typing import ClassVar
 
+import numpy as np
+
 from comm import config
+from comm.buffers import as_buffer
 from comm.errors import CommError, TransportUnavailable
 from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
                       Request)  # the protocol's types
@@ -36,6 +39,9 @@ class Transport(abc.ABC):
     # comm.elastic then calls ulfm_missing(), revoke(), agree() and shrink() below instead of its
     # own agreement over the store, since only the library can make its next communicator.
     ulfm: ClassVar[bool] = False
+    # True where post() runs a float32 all_reduce with OpDesc.wire set compressed itself (the
+    # native engine); elsewhere comm.compress builds it from the transport's collectives.
+    compressed_wire: ClassVar[bool] = False
 
     rank: int
     size: int
@@ -86,6 +92,16 @@ class Transport(abc.ABC):
         raise TransportUnavailable(f"transport {self.name!r} has no one-sided communication (windows); "
                                    "use the native or ucx transport")
 
+    def window_allocate(self, nbytes: int, signals: int) -> "TransportWindow":
+        """Collective: as window(), over `nbytes` bytes (zeroed) the transport allocates, set
+        in the returned window's `memory`. This default allocates process memory and exposes
+        it with window(); a transport that can share memory between the ranks of a host
+        (native: a segment they map) overrides it."""
+        memory = np.zeros(nbytes, np.uint8)
+        tw = self.window(as_buffer(memory, op="window", writable=True), signals)
+        tw.memory = memory
+        return tw
+
     def split(self, color: int, key: int, ctx: BootstrapContext | None) -> "Transport | None":
         """A transport for the sub-group described by ctx (whose store is already scoped).
         Every rank of the parent calls it; ranks that join no group get ctx None (and return
@@ -133,6 +149,19 @@ class TransportWindow(abc.ABC):
     but a target still checks what arrives from the wire (a hostile or buggy peer)."""
 
     sizes: tuple[int, ...]   # every rank's window in bytes, in rank order
+    memory = None            # window_allocate's windows: this rank's memory (numpy uint8)
+    # Optional lean calls, which take the caller's objects unchecked and handle the plain case
+    # only (numpy / CPU torch arrays, exact ints in range), moving nothing otherwise:
+    #   put_lean(peer, src, offset, signal or None) / get_lean(peer, dst, offset) -> 1: done in
+    #   the call, 0: in flight (hold the array until the flush), -1: not the plain case;
+    #   flush_lean(peer or None) -> True: flushed, False: call flush();
+    #   wait_signal_lean(k, value, timeout_s) -> True: waited, False: call wait_signal().
+    # Their exceptions go through lean_error(e, op). comm.window tries them first.
+    put_lean = get_lean = flush_lean = wait_signal_lean = None
+
+    def lean_error(self, e: BaseException, op: str) -> BaseException:
+        """The CommError for an exception of a lean call (others unchanged)."""
+        return e
 
     @abc.abstractmethod
     def put(self, peer: int, src, offset: int, signal: int) -> None:

@@ -51,6 +51,9 @@ else:  # the lean path checks reductions against the same table as the communica
     if (_native.LEAN_SKIPPED, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
+# OpDesc.wire as the engine's code (native/src/common.h: Wire).
+_WIRES = {None: 0, "bf16": 1, "fp8": 2}
+
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
 DIRECT_MAX_BYTES = 32 << 10
@@ -125,22 +128,31 @@ class NativePrepared:
 
 
 class NativeWindow(TransportWindow):
-    """The engine's window (native/src/window.h): same-host peers with CMA are written and
-    read by the origin itself, every other peer through its p2p stream, where the target's
-    engine writes the bytes in. Set-up publishes each rank's (address, size, id, pid, signal
-    segment) through the store."""
+    """The engine's window (native/src/window.h). Peers on this host write and read an
+    allocated window (nbytes given: shared memory the engine allocates) through their own
+    mapping of it, a user buffer with CMA; every other peer goes through its p2p stream,
+    where the target's engine writes the bytes in. Set-up publishes each rank's (address,
+    size, id, pid, signal segment, signal count, memory segment) through the store."""
 
-    def __init__(self, transport: "NativeTransport", mem, signals: int) -> None:
+    def __init__(self, transport: "NativeTransport", mem, signals: int, nbytes: int | None = None) -> None:
         self._transport, self._rank = transport, transport.rank
         self._timeout = float(transport._ctx.timeout)
+        engine = transport._engine
         try:
-            self._w = _native.window(transport._engine, mem.ptr, mem.nbytes, signals)
+            if nbytes is None:
+                self._w = _native.window(engine, mem.ptr, mem.nbytes, signals)
+                addr, size = mem.ptr, mem.nbytes
+            else:
+                self._w = _native.window_allocate(engine, nbytes, signals)
+                self.memory = self._w.memory()
+                addr, size = self.memory.ctypes.data, nbytes
         except _native.NativeError as e:
             raise _convert(e, self._rank, "window") from None
         transport._windows += 1
         # The last entry: the net's RMA key (hex; empty where the net has none or was opened
         # without it, native/src/rma.h).
-        me = [mem.ptr, mem.nbytes, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.rma_key.hex()]
+        me = [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,
+              self._w.rma_key.hex()]
         infos = [json.loads(v) for v in transport._ctx.store.all_gather(
             f"native/window{transport._windows}", json.dumps(me).encode())]
         counts = {i[5] for i in infos}
@@ -149,9 +161,11 @@ class NativeWindow(TransportWindow):
             raise InvalidArgument(f"ranks asked for different signal counts ({sorted(counts)}): every rank "
                                   "must pass the same signals=", rank=self._rank, op="window")
         self.peers = [tuple(i[:5]) for i in infos]   # (address, size, id, pid, signal fd) per rank
-        self._call("window", self._w.connect, self.peers, [bytes.fromhex(i[6]) for i in infos])
-        # How this rank reaches each peer's window ("self", "cma", "rma" or "message"): said
-        # once under COMM_DEBUG=1, and asserted by the tests that the path they mean ran.
+        memory_fds = [i[6] for i in infos]
+        self._call("window", self._w.connect, self.peers, memory_fds if max(memory_fds) >= 0 else [],
+                   [bytes.fromhex(i[7]) for i in infos])
+        # How this rank reaches each peer's window ("self", "mapped", "cma", "rma" or "message"):
+        # said once under COMM_DEBUG=1, and asserted by the tests that the path they mean ran.
         self.paths = tuple(self._w.path(p) for p in range(len(infos)))
         log.debug(self._rank, f"window {transport._windows}: peers reached by "
                               f"{', '.join(f'{p}={path}' for p, path in enumerate(self.paths))}")
@@ -159,6 +173,12 @@ class NativeWindow(TransportWindow):
         # peer has mapped it: set-up ends together.
         transport._ctx.store.all_gather(f"native/window{transport._windows}/mapped", b"")
         self.sizes = tuple(i[1] for i in infos)
+        w = self._w   # the lean calls, bound once (comm/window.py calls them first)
+        self.put_lean, self.get_lean, self.flush_lean = w.put_lean, w.get_lean, w.flush_lean
+        self.wait_signal_lean = w.wait_signal_lean
+
+    def lean_error(self, e: BaseException, op: str) -> BaseException:
+        return _convert(e, self._rank, op) if isinstance(e, _native.NativeError) else e
 
     def _call(self, op: str, fn, *args):
         try:
@@ -189,6 +209,7 @@ class NativeWindow(TransportWindow):
 
     def close(self) -> None:
         self._w.close()
+        self.memory = None   # the engine let go of its memory: the arrays over it hold the rest
 
 
 class NativeTransport(Transport):
@@ -196,6 +217,7 @@ class NativeTransport(Transport):
     kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
     any_source = True
+    compressed_wire = True  # all_reduce with OpDesc.wire: the engine's twolevel_compress.cc
     net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP
 
     @classmethod
@@ -436,7 +458,8 @@ class NativeTransport(Transport):
                                      recv.ptr if recv is not None else 0,
                                      recv.nbytes if recv is not None else 0,
                                      desc.count, desc.root, desc.peer, desc.tag,
-                                     desc.send_counts or (), desc.recv_counts or (), blocking)
+                                     desc.send_counts or (), desc.recv_counts or (), blocking,
+                                     _WIRES[desc.wire], desc.wire_block)
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         if work is None:
@@ -461,6 +484,9 @@ class NativeTransport(Transport):
 
     def window(self, mem, signals: int) -> NativeWindow:
         return NativeWindow(self, mem, signals)
+
+    def window_allocate(self, nbytes: int, signals: int) -> NativeWindow:
+        return NativeWindow(self, None, signals, nbytes)
 
     def error(self, e: Exception) -> CommError:
         if isinstance(e, _native.NativeError):

@@ -20,13 +20,10 @@ bfloat16 but sums in float32, quantizing each element at most twice: its error i
 bound); fp8_hook's is at most (2^-3 + 2^-8 + n x 2^-23) of it plus 9e-6 of the sum of the
 ranks' block maxima. The average (DDP's gradient mean) is taken in float32 after the sum.
 
-The hooks run the all_reduce on one thread per communicator and return its future, so backward
-goes on meanwhile; the FSDP2 collectives run on the calling thread (FSDP2 runs them on its own
-streams' schedule).
+The hooks post the all_reduce asynchronously (async_op=True: on the native engine the compressed
+all_reduce runs on the engine's thread) and return its future, so backward goes on meanwhile;
+the FSDP2 collectives run on the calling thread (FSDP2 runs them on its own streams' schedule).
 """
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-
 import torch
 import torch.distributed as dist
 
@@ -42,8 +39,8 @@ from .backend import ProcessGroupComm
 from .work import as_torch_error
 
 
-def communicator(group, op: str):
-    """The comm.Communicator behind a "comm" process group (None: the default group)."""
+def _backend(group, op: str) -> ProcessGroupComm:
+    """The "comm" backend of a process group (None: the default group)."""
     group = group if group is not None else dist.group.WORLD
     try:
         backend = group._get_backend(torch.device("cpu"))
@@ -53,37 +50,22 @@ def communicator(group, op: str):
         raise as_torch_error(InvalidArgument(
             f"compressed hooks need a process group of the 'comm' backend, got {type(backend).__name__}: "
             "dist.init_process_group('comm') or dist.new_group(backend='comm')", op=op))
-    return backend._communicator("cpu", op)
+    return backend
+
+
+def communicator(group, op: str):
+    """The comm.Communicator behind a "comm" process group (None: the default group)."""
+    return _backend(group, op)._communicator("cpu", op)
 
 
 def _all_reduce_hook(group, bucket, fmt: str) -> torch.futures.Future:
+    """The bucket's mean posted asynchronously (the engine runs a compressed all_reduce on its
+    own thread: backward goes on meanwhile); the future resolves to the bucket once it is done,
+    completed as the backend completes its own asynchronous work."""
     tensor = bucket.buffer()
-    c = communicator(group, "all_reduce")
-    fut = torch.futures.Future()
-
-    def run():
-        try:
-            c.all_reduce(tensor, ReduceOp.AVG, compress=fmt)
-        except BaseException as e:
-            fut.set_exception(e)
-        else:
-            fut.set_result(tensor)
-
-    _worker(c).submit(run)
-    return fut
-
-
-_WORKERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _worker(c) -> ThreadPoolExecutor:
-    """One thread per communicator runs its hooks' all_reduces, in bucket order: backward goes on
-    meanwhile, as with DDP's own asynchronous all_reduce (DDP waits for every bucket's future
-    before the optimizer step, so nothing else uses the communicator in between)."""
-    worker = _WORKERS.get(c)
-    if worker is None:
-        worker = _WORKERS[c] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comm-ddp-hook")
-    return worker
+    post = lambda comm, async_op: [comm.all_reduce(tensor, ReduceOp.AVG, compress=fmt, async_op=async_op)]  # noqa: E731
+    work = _backend(group, "all_reduce")._launch("all_reduce", tensor.device, post, [tensor])
+    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -534,6 +534,14 @@ bool python_signal_raised() {
 PyObject* native_error = nullptr;  // _native.NativeError
 }  // namespace
 
+bool binding::plain_bytes(PyObject* obj, bool writable, uintptr_t* ptr, uint64_t* bytes) {
+  Array a;
+  if (!plain_array(obj, writable, &a)) return false;
+  *ptr = a.ptr;
+  *bytes = a.bytes;
+  return true;
+}
+
 PyObject* binding::intern(const char* name) { return PyUnicode_InternFromString(name); }
 
 nb::object binding::attr(PyObject* obj, PyObject* name) {
@@ -829,18 +837,25 @@ NB_MODULE(_native, m) {
           [](Engine& e, int kind, int dtype, int op, double scale, uintptr_t send,
              uint64_t send_bytes, uintptr_t recv, uint64_t recv_bytes, uint64_t count, int root,
              int peer, int tag, std::vector<uint64_t> send_counts,
-             std::vector<uint64_t> recv_counts, bool blocking) {
+             std::vector<uint64_t> recv_counts, bool blocking, int wire, uint64_t wire_block) {
             check_codes(kind, dtype, op);  // before the casts: enums hold only known codes
-            return e.post(OpArgs{static_cast<OpKind>(kind), static_cast<DType>(dtype),
-                                 static_cast<ReduceOp>(op), scale, send, send_bytes, recv,
-                                 recv_bytes, count, root, peer, tag, std::move(send_counts),
-                                 std::move(recv_counts)},
-                          blocking);
+            if (wire < 0 || wire >= static_cast<int>(Wire::COUNT))
+              fail(ErrorCode::INVALID_ARGUMENT, -1, "wire format code " + std::to_string(wire) + " is unknown");
+            OpArgs args{static_cast<OpKind>(kind), static_cast<DType>(dtype), static_cast<ReduceOp>(op),
+                        scale, send, send_bytes, recv, recv_bytes, count, root, peer, tag,
+                        std::move(send_counts), std::move(recv_counts)};
+            args.wire = static_cast<Wire>(wire);
+            args.wire_block = wire_block;
+            return e.post(std::move(args), blocking);
           },
-          release(),
+          nb::arg("kind"), nb::arg("dtype"), nb::arg("op"), nb::arg("scale"), nb::arg("send"),
+          nb::arg("send_bytes"), nb::arg("recv"), nb::arg("recv_bytes"), nb::arg("count"), nb::arg("root"),
+          nb::arg("peer"), nb::arg("tag"), nb::arg("send_counts"), nb::arg("recv_counts"), nb::arg("blocking"),
+          nb::arg("wire") = 0, nb::arg("wire_block") = 0, release(),
           "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
-          "completion.")
+          "completion. wire: 0 exact, 1 bf16, 2 fp8 (a float32 all_reduce compressed between hosts;\n"
+          "wire_block: fp8's elements per scale).")
       .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("counts").none(), nb::arg("timeout_s"),
            "The lean path, under the lock `busy`: None when it ran the collective, LEAN_BUSY\n"
@@ -894,40 +909,5 @@ NB_MODULE(_native, m) {
       .def("close", &Engine::close, release())
       .def_prop_ro("last_algorithm", &Engine::last_algorithm);
 
-  // ---- one-sided windows (window.h; transports/native.py's NativeWindow) ----------------------
-  using WindowPeerTuple = std::tuple<uint64_t, uint64_t, uint32_t, int, int>;  // addr, size, id, pid, fd
-  nb::class_<Window>(m, "Window")
-      .def_prop_ro("id", &Window::id)
-      .def_prop_ro("signal_fd", &Window::signal_fd)
-      .def_prop_ro(
-          "rma_key", [](const Window& w) { return nb::bytes(w.rma_key().data(), w.rma_key().size()); },
-          "What peers need to reach this window by RMA (b'' where the net has none).")
-      .def("path", &Window::path, nb::arg("peer"), "How this rank reaches peer's window: self, cma, rma or message.")
-      .def(
-          "connect",
-          [](Window& w, const std::vector<WindowPeerTuple>& peers, const std::vector<nb::bytes>& keys) {
-            std::vector<WindowPeer> all;
-            for (const auto& [addr, size, id, pid, fd] : peers) all.push_back({addr, size, id, pid, fd});
-            std::vector<std::string> rma_keys;
-            for (const nb::bytes& k : keys) rma_keys.emplace_back(k.c_str(), k.size());
-            nb::gil_scoped_release unlocked;
-            w.connect(all, rma_keys);
-          },
-          nb::arg("peers"), nb::arg("keys") = std::vector<nb::bytes>{},
-          "Every rank's (address, size, window id, pid, signal segment fd) and rma_key, in rank order.")
-      .def("put", &Window::put, nb::arg("peer"), nb::arg("src"), nb::arg("nbytes"), nb::arg("offset"),
-           nb::arg("signal"), release())
-      .def("get", &Window::get, nb::arg("peer"), nb::arg("dst"), nb::arg("nbytes"), nb::arg("offset"), release())
-      .def("flush", &Window::flush, nb::arg("peer"), nb::arg("timeout_s"), release())
-      .def("wait_signal", &Window::wait_signal, nb::arg("k"), nb::arg("value"), nb::arg("timeout_s"), release())
-      .def("signal", &Window::signal, nb::arg("k"))  // one atomic load
-      .def("close", &Window::close, release());
-  m.def(
-      "window",
-      [](Engine& e, uintptr_t base, uint64_t size, uint32_t signals) {
-        nb::gil_scoped_release unlocked;
-        return e.window(base, size, signals);
-      },
-      nb::arg("engine"), nb::arg("base"), nb::arg("size"), nb::arg("signals"), nb::keep_alive<0, 1>(),
-      "This rank's window of `engine` over [base, base + size) with `signals` counters (then connect()).");
+  binding::bind_window(m);  // binding_window.cc
 }

@@ -29,4 +29,10 @@ void set_error(nb::handle exc);
 nb::object make_work(std::shared_ptr<Op> op, nb::handle comm, nb::handle label, nb::handle x, nb::handle out);
 void bind_work(nb::module_& m);
 
+// (address, bytes) of a plain array - exactly numpy.ndarray or a CPU torch.Tensor, C-contiguous,
+// of a dtype the engine knows, writable when asked - else false with no Python error set.
+bool plain_bytes(PyObject* obj, bool writable, uintptr_t* ptr, uint64_t* bytes);
+// The one-sided windows (binding_window.cc).
+void bind_window(nb::module_& m);
+
 }  // namespace comm::binding

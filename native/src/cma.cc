@@ -52,6 +52,14 @@ void read_remote(Comm& c, const Remote& from, int peer, uint64_t addr, char* dst
   fail_unreadable(peer);
 }
 
+void write_remote(Comm& c, const Remote& to, int peer, uint64_t addr, const char* src, size_t bytes) {
+  if (write_process(to.pid, addr, src, bytes)) return;
+  const int err = errno;
+  c.check_alive();  // a peer that died says so, rather than "cannot write"
+  fail(ErrorCode::PEER_FAILURE, peer, "cannot write the buffer of rank " + std::to_string(peer) +
+                                          " (process_vm_writev: " + (err ? std::strerror(err) : "short copy") + ")");
+}
+
 // out[0:n) = in[0:n) op (block at `offset` of every peer's send buffer), chunk by chunk.
 void reduce_from_peers(Comm& c, const Coll& op, const std::vector<Remote>& peers,
                        size_t offset, const char* in, char* out, size_t n) {
@@ -89,18 +97,25 @@ bool cma_fits(const Comm& c, const Coll& op) {
           op.kind == OpKind::ALL_TO_ALL);
 }
 
+// Each rank reduces its block chunk by chunk and writes every finished chunk, still in cache,
+// into the peers' outputs: two flag rounds, and no second pass over memory to read the
+// results back (with that third round, 2 ranks ran at 0.91-1.06x Open MPI's busbw at
+// 256 KiB-4 MiB, where both are near memory speed).
+// Nobody else touches those bytes meanwhile: a rank reads only its own block of the peers'
+// inputs, and in place that block of a peer is written only by that block's owner, after it
+// has read it.
 void cma_all_reduce(Comm& c, const Coll& op) {
   const Blocks b{op.count, c.size};
   const auto peers = exchange_addresses(c, op, op.count * op.elem);
-  const size_t mine = b.offset(c.rank) * op.elem;
-  reduce_from_peers(c, op, peers, mine, op.send + mine, op.recv + mine, b.size(c.rank));
-  sync_round(c);  // every block is reduced: read the others' results
-  for (int p = 0; p < c.size; p++) {
-    if (p == c.rank) continue;
-    const size_t off = b.offset(p) * op.elem;
-    read_remote(c, peers[p], p, peers[p].recv + off, op.recv + off, b.size(p) * op.elem);
+  const size_t first = b.offset(c.rank), n = b.size(c.rank);
+  const size_t step = chunk_elems(kCmaChunkBytes, op.elem);
+  for (size_t off = 0; off < n; off += step) {
+    const size_t len = std::min(step, n - off), at = (first + off) * op.elem;
+    reduce_from_peers(c, op, peers, at, op.send + at, op.recv + at, len);
+    for (int p = 0; p < c.size; p++)
+      if (p != c.rank) write_remote(c, peers[p], p, peers[p].recv + at, op.recv + at, len * op.elem);
   }
-  sync_round(c);  // nobody returns (and lets the caller touch its buffer) while being read
+  sync_round(c);  // every block is in every output; nobody returns while being written
 }
 
 void cma_reduce_scatter(Comm& c, const Coll& op) {

@@ -15,6 +15,7 @@ WireHeader Coll::header(size_t len) const {
   h.kind = static_cast<uint8_t>(kind);
   h.dtype = static_cast<uint8_t>(dtype);
   h.op = static_cast<uint8_t>(op);
+  h.flags = static_cast<uint8_t>(wire);  // a rank calling compressed beside exact ones: MISMATCH
   h.seq = seq;
   h.count = count;
   h.root = root;

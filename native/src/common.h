@@ -12,6 +12,8 @@ namespace comm {
 
 enum class DType : uint8_t { F16 = 0, BF16, F32, F64, I8, I16, I32, I64, U8, BOOL, COUNT };
 enum class ReduceOp : uint8_t { SUM = 0, PRODUCT, MIN, MAX, AVG, BAND, BOR, BXOR, PREMUL_SUM, COUNT };
+// What a compressed collective puts on the wire between hosts (compress.h has the formats).
+enum class Wire : uint8_t { EXACT = 0, BF16, FP8, COUNT };
 enum class OpKind : uint8_t {
   ALL_REDUCE = 0, REDUCE_SCATTER, ALL_GATHER, BROADCAST, REDUCE, GATHER, SCATTER,
   ALL_TO_ALL, SEND, RECV, BARRIER, ALL_GATHER_V, REDUCE_SCATTER_V, COUNT

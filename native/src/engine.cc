@@ -370,6 +370,8 @@ Coll Engine::describe(const OpArgs& a) const {
   op.send_counts = &a.send_counts;
   op.recv_counts = &a.recv_counts;
   op.elem = itemsize(a.dtype);
+  op.wire = a.wire;
+  op.wire_block = a.wire_block;
   if (op.kind == OpKind::BROADCAST) op.send = op.recv;
   if (op.kind == OpKind::ALL_TO_ALL) op.count = 0;  // per-peer counts differ; lengths are checked
   // The headers of a v-collective carry a fingerprint of its counts: ranks that disagree on
@@ -402,6 +404,8 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
   if (n == 1) {
     run_alone(op);
     last_algorithm_ = "local";
+  } else if (a.wire != Wire::EXACT) {  // compressed: one algorithm, whatever the size
+    last_algorithm_ = compressed_all_reduce(comm_, op);
   } else if (a.algo) {  // prepared: chosen once (the choice does not depend on pointers)
     last_algorithm_ = a.algo_name;
     a.algo(comm_, op);

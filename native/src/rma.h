@@ -43,6 +43,8 @@ class RmaWindow {
   virtual void get(int peer, void* dst, uint64_t len, uint64_t offset) = 0;
   // Every put / get / signal to `peer` (-1: every peer) complete at both ends.
   virtual void flush(int peer, const RmaWait& wait) = 0;
+  // Nothing issued to `peer` (-1: any peer) since its last flush: flush has nothing to wait for.
+  virtual bool flushed(int peer) = 0;
   // The keys and registrations go: nothing reaches this memory through them afterwards.
   virtual void close() = 0;
 };

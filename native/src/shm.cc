@@ -21,13 +21,12 @@ volatile uint64_t probe_word = kProbeValue;
 size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 constexpr size_t kSegHeaderBytes = 256;
 constexpr size_t kSlotStride = kSlotHeaderBytes + kSlotBytes;
-constexpr size_t kPeerRingStride = 2 * kRingHeaderBytes + kCollRingBytes + kP2PRingBytes;
 
-// Segments up to this size (16 local ranks) are allocated and mapped in full at set-up. Left
+// Segments up to this size (up to 63 local ranks) are allocated and mapped in full at set-up. Left
 // to fault in, every page of a ring costs its first pass a page allocation in the owner and a
 // fault in each process: the first 16 all_to_alls of 256 KiB took 150 us each instead of 20
 // (2 ranks, one pass of the 2 MiB ring), which benchmarks and short jobs see as the library's
-// speed. Larger segments (memory grows with the square of the local ranks) fault in as used.
+// speed. Larger segments fault in as used.
 constexpr size_t kPopulateMaxBytes = 40 << 20;
 
 #ifndef MADV_POPULATE_WRITE
@@ -42,10 +41,18 @@ void* map_segment(int fd, size_t bytes) {
   if (p != MAP_FAILED && populate) (void)madvise(p, bytes, MADV_POPULATE_WRITE);
   return p;
 }
+
+// Every local rank computes the same size from the same count (attach checks the segment's).
+size_t coll_ring_bytes(size_t local_ranks) {
+  const size_t peers = local_ranks > 1 ? local_ranks - 1 : 1;
+  if (peers * kCollRingBytes <= kCollRingBudget) return kCollRingBytes;
+  return std::max(kCollRingMin, kCollRingBudget / peers / 4096 * 4096);
+}
 }  // namespace
 
 ShmDomain::ShmDomain(int rank, std::vector<int> local_ranks)
-    : rank_(rank), ranks_(std::move(local_ranks)), bases_(ranks_.size(), nullptr) {
+    : rank_(rank), ranks_(std::move(local_ranks)), coll_ring_(coll_ring_bytes(ranks_.size())),
+      bases_(ranks_.size(), nullptr) {
   me_ = local_index(rank);
 }
 
@@ -55,8 +62,10 @@ ShmDomain::~ShmDomain() {
   if (fd_ >= 0) close(fd_);
 }
 
+size_t ShmDomain::peer_ring_stride() const { return 2 * kRingHeaderBytes + coll_ring_ + kP2PRingBytes; }
+
 size_t ShmDomain::segment_bytes() const {
-  return round_up(kSegHeaderBytes + 2 * kSlotStride + ranks_.size() * kPeerRingStride, 4096);
+  return round_up(kSegHeaderBytes + 2 * kSlotStride + ranks_.size() * peer_ring_stride(), 4096);
 }
 
 int ShmDomain::local_index(int global_rank) const {
@@ -106,8 +115,8 @@ Slot* ShmDomain::slot(int local, uint64_t round) const {
 }
 
 RingCtl* ShmDomain::ring(int owner, int from, Stream s) const {
-  size_t off = kSegHeaderBytes + 2 * kSlotStride + static_cast<size_t>(from) * kPeerRingStride;
-  if (s == Stream::P2P) off += kRingHeaderBytes + kCollRingBytes;
+  size_t off = kSegHeaderBytes + 2 * kSlotStride + static_cast<size_t>(from) * peer_ring_stride();
+  if (s == Stream::P2P) off += kRingHeaderBytes + coll_ring_;
   return reinterpret_cast<RingCtl*>(bases_[owner] + off);
 }
 
@@ -150,7 +159,7 @@ ShmChannel::ShmChannel(const ShmDomain& shm, int peer_global, Stream s)
     : Channel(peer_global), shm_(shm), peer_local_(shm.local_index(peer_global)),
       out_(shm.ring(peer_local_, shm.me(), s)), out_data_(shm.ring_data(peer_local_, shm.me(), s)),
       in_(shm.ring(shm.me(), peer_local_, s)), in_data_(shm.ring_data(shm.me(), peer_local_, s)),
-      cap_(ShmDomain::ring_capacity(s)) {}
+      cap_(shm.ring_capacity(s)) {}
 
 bool ShmChannel::progress(Transfer& t) { return t.is_send ? push(t) : pull(t); }
 

@@ -15,8 +15,12 @@ constexpr size_t kSlotBytes = 256 << 10;      // direct-path publication slot (p
 // Ring-buffer of collective traffic per peer. Several chunks (COMM_CHUNK_BYTES) deep, so a
 // sender is not held to its receiver's pace chunk by chunk: with cores shared (2 hosts x 2
 // ranks on 2 loaded cores, 16 MiB two-level all_reduce) 512 KiB gave 0.10-0.17 GB/s busbw,
-// 2 MiB 0.24. Costs (local ranks - 1) x 2 MiB of shared memory per rank.
+// 2 MiB 0.24. Beyond 8 local peers the rings share kCollRingBudget instead (never below
+// kCollRingMin, two chunks deep), so a rank's segment grows with its local peers by about
+// 0.6 MiB each, not 2: 16 ranks per host would otherwise map 16 x 36 MiB each.
 constexpr size_t kCollRingBytes = 2 << 20;
+constexpr size_t kCollRingBudget = 16 << 20;
+constexpr size_t kCollRingMin = 512 << 10;
 constexpr size_t kP2PRingBytes = 128 << 10;   // ring-buffer of send/recv traffic per peer
 
 struct alignas(64) SegHeader {
@@ -70,7 +74,7 @@ class ShmDomain {
   char* ring_data(int owner, int from, Stream s) const {
     return reinterpret_cast<char*>(ring(owner, from, s)) + kRingHeaderBytes;
   }
-  static size_t ring_capacity(Stream s) { return s == Stream::COLL ? kCollRingBytes : kP2PRingBytes; }
+  size_t ring_capacity(Stream s) const { return s == Stream::COLL ? coll_ring_ : kP2PRingBytes; }
 
   // Wake local rank `local` if it sleeps on its doorbell (call after publishing data).
   void wake(int local) const;
@@ -94,8 +98,10 @@ class ShmDomain {
  private:
   static void futex_wait(std::atomic<uint32_t>* word, uint32_t expected, int timeout_ms);
   size_t segment_bytes() const;
+  size_t peer_ring_stride() const;
   int rank_;
   std::vector<int> ranks_;
+  size_t coll_ring_;  // bytes of each collective ring: kCollRingBytes, less with many local ranks
   int me_ = -1;
   std::vector<char*> bases_;
   int fd_ = -1;  // this rank's segment

@@ -1,6 +1,7 @@
 #include "window.h"
 
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -88,7 +89,9 @@ bool Window::direct(int peer) const {
   return c_.cma && c_.shm && peer != c_.rank && c_.shm->local_index(peer) >= 0;
 }
 
-bool Window::rma(int peer) const { return rma_ && peer != c_.rank && !direct(peer) && rma_->reaches(peer); }
+bool Window::rma(int peer) const {
+  return rma_ && peer != c_.rank && !maps_.base(peer) && !direct(peer) && rma_->reaches(peer);
+}
 
 const std::string& Window::rma_key() const {
   static const std::string none;
@@ -97,17 +100,21 @@ const std::string& Window::rma_key() const {
 
 const char* Window::path(int peer) const {
   if (peer == c_.rank) return "self";
-  return direct(peer) ? "cma" : rma(peer) ? "rma" : "message";
+  return maps_.base(peer) ? "mapped" : direct(peer) ? "cma" : rma(peer) ? "rma" : "message";
 }
 
-void Window::connect(const std::vector<WindowPeer>& peers, const std::vector<std::string>& keys) {
+void Window::connect(const std::vector<WindowPeer>& peers, const std::vector<int>& memory_fds,
+                     const std::vector<std::string>& keys) {
   if (peers.size() != static_cast<size_t>(c_.size) || (!keys.empty() && keys.size() != peers.size()))
     fail(ErrorCode::INVALID_ARGUMENT, -1, "window: one entry per rank expected");
   if (rma_) rma_->connect(keys);  // no keys: no peer is reached by RMA
   peers_ = peers;
+  maps_.map(c_, peers, memory_fds);
   peer_segs_.assign(c_.size, nullptr);
+  // Local peers map an allocated window of this rank and add to its signals themselves.
+  if (segment_ && c_.shm && c_.shm->local_size() > 1) any_direct_ = true;
   for (int p = 0; p < c_.size; p++) {
-    if (!direct(p)) continue;
+    if (!direct(p) && !maps_.base(p)) continue;
     any_direct_ = true;
     const std::string path = "/proc/" + std::to_string(peers[p].pid) + "/fd/" + std::to_string(peers[p].signal_fd);
     const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
@@ -165,7 +172,7 @@ void Window::copy_failed(const char* op, int peer) {
                                           (err ? std::strerror(err) : "short copy") + ")");
 }
 
-void Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal) {
+bool Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open("put");
   check_args("put", peer, len, offset);
@@ -175,39 +182,81 @@ void Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int sig
   if (peer == c_.rank) {
     if (len) std::memmove(mem_.base + offset, from, len);
     if (signal >= 0) add_signal(mem_.seg, static_cast<uint32_t>(signal));
-    return;
+    return true;
+  }
+  if (char* mapped = maps_.base(peer)) {
+    // memmove: src may be a view of that very window (this process maps it too)
+    if (len) std::memmove(mapped + offset, from, len);
+    // add_signal's release orders the data before the count: the target's acquire sees both
+    if (signal >= 0) add_signal(peer_segs_[peer], static_cast<uint32_t>(signal));
+    return true;
   }
   if (direct(peer)) {
     if (len && !write_process(peers_[peer].pid, peers_[peer].addr + offset, from, len)) copy_failed("put", peer);
     if (signal >= 0) add_signal(peer_segs_[peer], static_cast<uint32_t>(signal));
-    return;
+    return true;
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);  // connected on first use
   if (rma(peer)) {
-    if (rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s)) || signal < 0) return;
+    if (rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s)) || signal < 0) return false;
     len = 0;  // its data landed: the signal follows as a message, which the target counts in
   }
   p2p_.post_window(peer, kWinPut, peers_[peer].id, offset, const_cast<char*>(from), len, signal);
   dirty_[peer] = 1;
+  return false;
 }
 
-void Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
+bool Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
   std::lock_guard<std::mutex> lock(mu_);
   check_open("get");
   check_args("get", peer, len, offset);
   char* to = reinterpret_cast<char*>(dst);
   if (peer == c_.rank) {
     if (len) std::memmove(to, mem_.base + offset, len);
-    return;
+    return true;
+  }
+  if (const char* mapped = maps_.base(peer)) {
+    // pairs with the release of the signal that announced these bytes, if any
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (len) std::memmove(to, mapped + offset, len);
+    return true;
   }
   if (direct(peer)) {
     if (len && !read_process(peers_[peer].pid, peers_[peer].addr + offset, to, len)) copy_failed("get", peer);
-    return;
+    return true;
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);
-  if (rma(peer)) return rma_->get(peer, to, len, offset);
+  if (rma(peer)) {
+    rma_->get(peer, to, len, offset);
+    return false;
+  }
   p2p_.post_window(peer, kWinGet, peers_[peer].id, offset, to, len, -1);
   dirty_[peer] = 1;
+  return false;
+}
+
+// A mapped put is complete when its stores are visible: the fence makes them so before
+// anything this rank does next (a send, a store the target polls). A store into a dead
+// peer's mapping cannot fail, so the flush looks for dead peers, at most every few ms
+// (check_alive reads every monitor: a system call per peer).
+void Window::mapped_flush() {
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+  const auto now = Clock::now();
+  if (now - alive_checked_ < std::chrono::milliseconds(5)) return;
+  alive_checked_ = now;
+  const Deadline never;
+  c_.check_alive(never);
+}
+
+bool Window::flush_in_call(int peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_open("flush");
+  if (peer < -1 || peer >= c_.size) fail(ErrorCode::INVALID_ARGUMENT, -1, "flush: no rank " + std::to_string(peer));
+  for (int p = peer < 0 ? 0 : peer; p < (peer < 0 ? c_.size : peer + 1); p++)
+    if (dirty_[p]) return false;
+  if (rma_ && !rma_->flushed(peer)) return false;  // flush() waits for the net
+  if (maps_.any() && (peer < 0 || maps_.base(peer))) mapped_flush();
+  return true;
 }
 
 void Window::flush(int peer, double timeout_s) {
@@ -216,6 +265,7 @@ void Window::flush(int peer, double timeout_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     check_open("flush");
+    if (maps_.any() && (peer < 0 || maps_.base(peer))) mapped_flush();
     for (int p = peer < 0 ? 0 : peer; p < (peer < 0 ? c_.size : peer + 1); p++) {
       if (!dirty_[p]) continue;  // direct peers and self: every copy ended in its call
       answers.push_back({p, p2p_.post_window(p, kWinFlush, peers_[p].id, 0, nullptr, 0, -1, drives)});
@@ -278,10 +328,13 @@ void Window::wait_signal(uint32_t k, uint64_t value, double timeout_s) {
     }
     // Another thread of this rank drives: wait for its counting as below.
   }
-  for (int i = 0; i < 4000; i++) {
+  for (int i = 1; i <= 4000; i++) {
     if (ctr->load(std::memory_order_acquire) >= value) return;
+    // A yield now and then, as Comm::idle: where the signalling peer shares this core (an
+    // oversubscribed host), it runs now rather than after the whole spin.
+    if (i % 128 == 0) sched_yield();
 #if defined(__x86_64__)
-    __builtin_ia32_pause();
+    else __builtin_ia32_pause();
 #endif
   }
   SignalHeader* h = header(mem_.seg);
@@ -322,6 +375,8 @@ void Window::close() {
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return;
   closed_ = true;
+  maps_.unmap();      // no write from this rank into any peer's window after close
+  segment_.reset();   // this rank's memory goes with the last numpy array over it
   p2p_.remove_window(id_);  // a put arriving later names an unknown window: refused, never written
   if (rma_) rma_->close();  // its keys reach nothing after this
 }

@@ -2,6 +2,9 @@
 // windows, and signal counters (comm/window.py is the API; window_spec in the README).
 //
 // How bytes move, per peer:
+// - a peer on this host whose window the library allocated (window_mapped.h): the origin
+//   maps that window and copies into / out of it itself (a memcpy, done when the call
+//   returns; a flush is a fence), and adds to the signals as below;
 // - a peer on this host with CMA (Comm::cma): the origin writes / reads the peer's window
 //   itself with process_vm_writev / readv (one copy, done when the call returns), and adds
 //   to the peer's signal counters in the peer's signal segment (memfd, mapped by every local
@@ -28,6 +31,7 @@
 #include "comm.h"
 #include "p2p.h"
 #include "rma.h"
+#include "window_mapped.h"
 
 namespace comm {
 
@@ -68,17 +72,34 @@ class Window {
   Window& operator=(const Window&) = delete;
 
   uint32_t id() const { return id_; }
+  bool connected() const { return !peers_.empty(); }
+  int ranks() const { return c_.size; }
+  uint32_t signal_count() const { return mem_.signals; }
+  uint64_t size_of(int peer) const { return peers_[peer].size; }  // after connect
   int signal_fd() const { return fd_; }
+  // The window is this library-allocated segment (before connect): peers on this host map it.
+  void adopt(std::shared_ptr<WindowSegment> segment) { segment_ = std::move(segment); }
+  const std::shared_ptr<WindowSegment>& segment() const { return segment_; }
+  int memory_fd() const { return segment_ ? segment_->fd() : -1; }
   // What peers need to reach this window by RMA (rma.h); empty when the net has none.
   const std::string& rma_key() const;
-  // Every rank's window and rma_key() (collective: each rank calls it with the same lists;
-  // `keys` may be empty: no RMA).
-  void connect(const std::vector<WindowPeer>& peers, const std::vector<std::string>& keys);
-  // How this rank reaches `peer`'s window: "self", "cma", "rma" or "message".
+  // Every rank's window (collective: each rank calls it with the same lists); memory_fds:
+  // every rank's memory_fd() (empty: no rank allocated its window); keys: every rank's
+  // rma_key() (empty: no RMA).
+  void connect(const std::vector<WindowPeer>& peers, const std::vector<int>& memory_fds = {},
+               const std::vector<std::string>& keys = {});
+  // How this rank reaches `peer`'s window: "self", "mapped", "cma", "rma" or "message".
   const char* path(int peer) const;
-  void put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal);
-  void get(int peer, uintptr_t dst, uint64_t len, uint64_t offset);
+  // put / get return true when the bytes moved inside the call (mapped, CMA, this rank):
+  // nothing is left to hold for a flush.
+  bool put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int signal);
+  bool get(int peer, uintptr_t dst, uint64_t len, uint64_t offset);
+  // Whether peer's puts and gets complete inside the call (no engine, no message).
+  bool moves_in_call(int peer) const { return peer == c_.rank || maps_.base(peer) || direct(peer); }
   void flush(int peer, double timeout_s);  // peer -1: every peer
+  // flush without waiting: true when nothing to `peer` (-1: all) is in flight on the message
+  // path, after the fence that completes mapped puts; false: flush() must wait.
+  bool flush_in_call(int peer);
   void wait_signal(uint32_t k, uint64_t value, double timeout_s);
   uint64_t signal(uint32_t k) const;
   void close();
@@ -88,6 +109,7 @@ class Window {
   bool rma(int peer) const;     // the net reaches the peer's memory (rma_)
   void check_open(const char* op) const;
   RmaWait rma_wait(double timeout_s);
+  void mapped_flush();  // the fence of a flush, and a look for dead peers now and then
   void check_args(const char* op, int peer, uint64_t len, uint64_t offset) const;
   [[noreturn]] void copy_failed(const char* op, int peer);
   Comm& c_;
@@ -101,6 +123,9 @@ class Window {
   std::vector<char*> peer_segs_;  // mapped signal segments of direct peers
   bool any_direct_ = false;       // some peer adds to the signals itself (not a message)
   std::unique_ptr<RmaWindow> rma_;  // this window registered with the net, if it has RMA
+  std::shared_ptr<WindowSegment> segment_;  // this rank's memory, when the library allocated it
+  PeerMappings maps_;                       // local peers' allocated windows
+  Clock::time_point alive_checked_{};       // mapped_flush's last look for dead peers
   std::vector<char> dirty_;       // peers with message-path operations since their last flush
   std::mutex mu_;                 // dirty_ and close against the operations
   bool closed_ = false;

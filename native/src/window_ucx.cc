@@ -83,6 +83,7 @@ class UcxRmaWindow final : public RmaWindow {
   bool put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) override;
   void get(int peer, void* dst, uint64_t len, uint64_t offset) override;
   void flush(int peer, const RmaWait& wait) override;
+  bool flushed(int peer) override;
   void close() override;
   void drop_endpoint(int peer);  // hub's lock held
   void release();                // hub's lock held
@@ -263,6 +264,13 @@ void UcxRmaWindow::flush(int peer, const RmaWait& wait) {
   }
   if (hub_->released) fail(ErrorCode::CLOSED, -1, "flush: the communicator is closed");
   if (failed >= 0) fail_status(u_, why, failed, "flush");
+}
+
+bool UcxRmaWindow::flushed(int peer) {
+  std::lock_guard<std::mutex> lock(hub_->mu);
+  for (size_t r = 0; r < peers_.size(); r++)
+    if ((peer < 0 || r == static_cast<size_t>(peer)) && peers_[r].dirty) return false;
+  return true;
 }
 
 void UcxRmaWindow::close() {

@@ -1,0 +1,225 @@
+// The compressed all_reduce (compress="bf16" / "fp8", comm/compress.py): the two-level
+// pipeline of twolevel.cc whose network phase sends encoded chunks and sums what arrives in
+// float32. Inside a host the data stays float32 (shared memory is not the bound); across
+// hosts, segment k of this rank's shard (block local.me of the host's reduce-scatter) is
+// reduce-scattered and all-gathered among the same local rank of every host in two steps:
+//   1. block j of the shard (j != me) goes encoded to the j-th host's rank; the blocks that
+//      arrive for block `me` are decoded and added, in float32, to this rank's own (exact)
+//      block, in host order;
+//   2. that sum, encoded once, goes to every other host's rank, and every rank, this one
+//      included, decodes the same bytes into block `me` of the shard.
+// The host's all-gather then moves those encoded packets, not float32 (a quarter or half of
+// the shared-memory traffic of that phase), and each rank decodes its neighbours' shards: the
+// shared-memory phases, not the link, bound a compressed 2 x 2 on two cores.
+// So each element is quantized at most twice (its partial sum, then the total), every rank
+// holds the same bits, and NaN / Inf travel as codes of their own. The encoding runs on the
+// engine's thread between the network steps while the host lane's phases of the other
+// segments proceed (run_lanes): no Python thread, no sub-communicator.
+// Where two levels do not apply (one rank per host, hosts of unequal size, one host under
+// COMM_COMPRESS=force) the same exchange runs over every rank, with no host phases.
+#include <cstring>
+#include <memory>
+
+#include "algorithms.h"
+#include "compress.h"
+#include "twolevel.h"
+
+namespace comm {
+
+namespace {
+
+// Scratch slots 7-9 (twolevel.cc and engine.cc use 0-6): encoded packets out, partial sums
+// in, and the final packets (the whole op's, gathered inside the host; or one segment's).
+constexpr int kSendPackets = 7;
+constexpr int kRecvPackets = 8;
+constexpr int kFinalPackets = 9;
+
+// Bytes of the packet of n elements: bf16 codes; or fp8 scales (one float per block, first,
+// so they stay 4-byte aligned), then the codes.
+size_t wire_bytes(const Coll& op, size_t n) {
+  if (op.wire == Wire::BF16) return 2 * n;
+  return 4 * ((n + op.wire_block - 1) / op.wire_block) + n;
+}
+size_t aligned(size_t bytes) { return (bytes + 63) & ~size_t{63}; }
+// Every cut at a multiple of this many elements: fp8's scale block (each block of the
+// caller's buffer keeps one scale, as documented), 16 floats (a cache line) for bf16.
+size_t unit_of(const Coll& op) { return op.wire == Wire::FP8 ? op.wire_block : 16; }
+
+void encode(const Coll& op, const char* in, char* packet, size_t n) {
+  const auto& k = compress::kernels();
+  const float* x = reinterpret_cast<const float*>(in);
+  if (op.wire == Wire::BF16) {
+    k.to_bf16(x, reinterpret_cast<uint16_t*>(packet), n);
+    return;
+  }
+  const size_t scales = 4 * ((n + op.wire_block - 1) / op.wire_block);
+  k.to_fp8(x, reinterpret_cast<uint8_t*>(packet + scales), reinterpret_cast<float*>(packet), n, op.wire_block);
+}
+
+// The packets of `count` elements cut into n blocks of whole units, each 64-byte aligned.
+CountedBlocks packets_of(const Coll& op, size_t count, int n) {
+  const CountedBlocks b = unit_blocks(count, n, unit_of(op));
+  std::vector<uint64_t> bytes(n);
+  for (int j = 0; j < n; j++) bytes[j] = aligned(wire_bytes(op, b.size(j)));
+  return CountedBlocks(bytes);
+}
+
+// acc = (accumulate ? acc : 0) + decoded packet.
+void decode(const Coll& op, char* acc, const char* packet, size_t n, bool accumulate) {
+  const auto& k = compress::kernels();
+  float* a = reinterpret_cast<float*>(acc);
+  if (op.wire == Wire::BF16) {
+    k.bf16_add(a, reinterpret_cast<const uint16_t*>(packet), n, accumulate);
+    return;
+  }
+  const size_t scales = 4 * ((n + op.wire_block - 1) / op.wire_block);
+  k.fp8_add(a, reinterpret_cast<const uint8_t*>(packet + scales), reinterpret_cast<const float*>(packet), n,
+            op.wire_block, accumulate);
+}
+
+// The two steps above over group g for `count` elements: `in` (read) and `out` (written;
+// may be `in`), cut at whole units. The packets of step 1 sit at j * slot in scratch (slot:
+// the largest block's); block j's final packet at final + packets_of(...).offset(j).
+class CompressedExchange final : public Steps {
+ public:
+  CompressedExchange(Comm& c, const Group& g, const Coll& op, const char* in, char* out, size_t count, char* final)
+      : c_(c), g_(g), op_(op), in_(in), out_(out), b_(unit_blocks(count, g.size(), unit_of(op))),
+        pk_(packets_of(op, count, g.size())), slot_(pk_.largest()),
+        sent_(c.scratch(kSendPackets, slot_ * g.size())), got_(c.scratch(kRecvPackets, slot_ * g.size())),
+        final_(final), h_(op.header(0)) {}  // a rank on the exact path expects other lengths: it fails at once
+  int width() const override { return 2 * (g_.size() - 1); }
+
+  int next(Transfer* ts) override {
+    const int n = g_.size(), me = g_.me;
+    const size_t e = op_.elem, mine = b_.size(me);
+    char* own = out_ + b_.offset(me) * e;
+    int k = 0;
+    switch (step_++) {
+      case 0:  // step 1: every other block, encoded, to its owner; its partials of ours in
+        if (own != in_ + b_.offset(me) * e) std::memcpy(own, in_ + b_.offset(me) * e, mine * e);
+        for (int j = 0; j < n; j++) {
+          if (j == me) continue;
+          const size_t len = wire_bytes(op_, b_.size(j));
+          encode(op_, in_ + b_.offset(j) * e, sent_ + j * slot_, b_.size(j));
+          ts[k++] = c_.send_to(g_.at(j), sent_ + j * slot_, len, h_);
+          ts[k++] = c_.recv_from(g_.at(j), got_ + j * slot_, wire_bytes(op_, mine), h_);
+        }
+        return k;
+      case 1:  // step 2: our block's sum, encoded once, to everyone; theirs in
+        for (int j = 0; j < n; j++)
+          if (j != me) decode(op_, own, got_ + j * slot_, mine, true);
+        encode(op_, own, final_ + pk_.offset(me), mine);
+        for (int j = 0; j < n; j++) {
+          if (j == me) continue;
+          ts[k++] = c_.send_to(g_.at(j), final_ + pk_.offset(me), wire_bytes(op_, mine), h_);
+          ts[k++] = c_.recv_from(g_.at(j), final_ + pk_.offset(j), wire_bytes(op_, b_.size(j)), h_);
+        }
+        return k;
+      case 2:  // every block from the same bytes on every rank, ours too
+        for (int j = 0; j < n; j++) decode(op_, out_ + b_.offset(j) * e, final_ + pk_.offset(j), b_.size(j), false);
+        return 0;
+      default:
+        return 0;
+    }
+  }
+
+ private:
+  Comm& c_;
+  const Group& g_;
+  const Coll& op_;
+  const char* const in_;
+  char* const out_;
+  const CountedBlocks b_;
+  const CountedBlocks pk_;
+  const size_t slot_;
+  char* const sent_;
+  char* const got_;
+  char* const final_;
+  const WireHeader h_;
+  int step_ = 0;
+};
+
+// Segment k: reduce-scatter inside the host, the compressed exchange of this rank's shard
+// across the hosts, all-gather of the encoded shards inside the host (their packets in
+// scratch, [segment][local rank][block] at fixed places every rank computes alike), each
+// neighbour's shard decoded once it is in. Without host phases (`cross` is then every rank),
+// the exchange of each segment alone.
+class CompressedAllReduce final : public TwoLevelPipeline {
+ public:
+  CompressedAllReduce(Comm& c, const Coll& op, bool two_level)
+      : TwoLevelPipeline(c, op, op.count, op.count * op.elem, two_level, two_level, unit_of(op)),
+        two_level_(two_level), cross_(two_level ? c.topo.cross : c.world),
+        host_tmp_(two_level ? c.scratch(0, ring_chunk_bytes(c, op.elem)) : nullptr) {
+    if (!two_level) return;
+    std::vector<uint64_t> bytes;
+    for (size_t k = 0; k + 1 < segs_.offsets.size(); k++) bytes.push_back(host_packets(k).offset(t_.local.size()));
+    seg_packets_ = CountedBlocks(bytes);
+    packets_ = c.scratch(kFinalPackets, seg_packets_.offset(bytes.size()));
+  }
+
+ private:
+  int width() const override { return 2 * (cross_.size() - 1); }
+
+  CountedBlocks inside(int k) const { return unit_blocks(segs_.size(k), t_.local.size(), unit_of(op_)); }
+  // Segment k's encoded shards: local rank l's packets (its shard cut over the hosts), in l order.
+  CountedBlocks host_packets(int k) const {
+    const CountedBlocks in = inside(k);
+    std::vector<uint64_t> bytes;
+    for (int l = 0; l < t_.local.size(); l++) bytes.push_back(packets_of(op_, in.size(l), cross_.size()).offset(cross_.size()));
+    return CountedBlocks(bytes);
+  }
+
+  std::unique_ptr<Steps> start(Phase phase, int k) override {
+    const size_t e = op_.elem;
+    Coll seg = op_;  // count stays the op's: it is the signature in the headers
+    seg.send = op_.send + segs_.offset(k) * e;
+    seg.recv = op_.recv + segs_.offset(k) * e;
+    if (!two_level_) {
+      char* final = c_.scratch(kFinalPackets, packets_of(op_, segs_.size(k), cross_.size()).offset(cross_.size()));
+      return std::make_unique<CompressedExchange>(c_, cross_, op_, seg.send, seg.recv, segs_.size(k), final);
+    }
+    const CountedBlocks in = inside(k);
+    if (phase == RS) return ring_reduce_to_blocks_steps(c_, t_.local, seg, in, host_tmp_);
+    char* packets = packets_ + seg_packets_.offset(k);
+    if (phase == AG) {
+      Coll bytes = seg;  // the packets, as bytes
+      bytes.elem = 1;
+      return ring_gather_blocks_steps(c_, t_.local, bytes, packets, host_packets(k));
+    }
+    char* shard = seg.recv + in.offset(t_.local.me) * e;
+    return std::make_unique<CompressedExchange>(c_, cross_, op_, shard, shard, in.size(t_.local.me),
+                                                packets + host_packets(k).offset(t_.local.me));
+  }
+
+  // The neighbours' shards of segment k, from the packets gathered inside the host.
+  void finished(Phase phase, int k) override {
+    if (phase != AG) return;
+    const CountedBlocks in = inside(k), hp = host_packets(k);
+    const char* packets = packets_ + seg_packets_.offset(k);
+    for (int l = 0; l < t_.local.size(); l++) {
+      if (l == t_.local.me) continue;
+      const CountedBlocks b = unit_blocks(in.size(l), cross_.size(), unit_of(op_));
+      const CountedBlocks pk = packets_of(op_, in.size(l), cross_.size());
+      char* shard = op_.recv + (segs_.offset(k) + in.offset(l)) * op_.elem;
+      for (int j = 0; j < cross_.size(); j++)
+        decode(op_, shard + b.offset(j) * op_.elem, packets + hp.offset(l) + pk.offset(j), b.size(j), false);
+    }
+  }
+
+  const bool two_level_;
+  const Group& cross_;
+  char* const host_tmp_;
+  CountedBlocks seg_packets_{std::vector<uint64_t>{}};  // each segment's packets, whole host
+  char* packets_ = nullptr;
+};
+
+}  // namespace
+
+const char* compressed_all_reduce(Comm& c, const Coll& op) {
+  // The sharded form needs every host to hold the same ranks (t.cross); see twolevel_all_reduce.
+  const bool two_level = c.hierarchical() && c.topo.uniform();
+  CompressedAllReduce(c, op, two_level).run();
+  return two_level ? "compressed-twolevel" : "compressed-flat";
+}
+
+}  // namespace comm

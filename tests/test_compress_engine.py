@@ -1,0 +1,163 @@
+"""The compressed all_reduce inside the native engine (native/src/twolevel_compress.cc): odd
+sizes and fp8 blocks cut anywhere, every rank the same bits, the README's error bound, NaN and
+Inf as on the exact path, real asynchronous Work, the engine's own validation, and a rank on
+the exact path beside compressed ones failing instead of hanging. Quick: one host with
+COMM_COMPRESS=force (the flat form); slow: 2 simulated hosts x 2 ranks (the two-level form)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harness import run_ranks
+from test_compress import FORCE, block_max, bound
+
+pytest.importorskip("comm._native", reason="the native engine is not built")
+
+# 0 and 1 element, a few under and over the 16-float unit and the 256-element fp8 block, a
+# prime count that leaves every rank a ragged share
+ODD_COUNTS = (0, 1, 3, 17, 255, 257, 1000, 65_537)
+
+
+def odd_inputs(rank: int, n: int, count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    x = (rng.standard_normal(count) * np.exp(rng.uniform(-20, 20, count))).astype(np.float32)
+    if count > 3:
+        x[count // 2] = np.float32(1e37) * (rank + 1)   # huge beside small ones in one block
+    if count > 7 and rank == n - 1:
+        x[count - 2], x[count - 1] = np.nan, -np.inf      # specials in the ragged tail
+    return x
+
+
+def odd_sizes_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
+    import comm
+    n, r = world.size, world.rank
+    res = {"algorithms": set()}
+    for seed, count in enumerate(counts):
+        x = odd_inputs(r, n, count, seed)
+        every = np.empty(n * count, np.float32)
+        world.all_gather(every, x)
+        xs = every.reshape(n, count)
+        exact, got = x.copy(), np.empty_like(x)
+        world.all_reduce(exact)
+        work = world.all_reduce(x, out=got, compress=fmt, async_op=True)
+        work.wait()
+        res["algorithms"].add(world._transport._engine.last_algorithm)
+        same = np.empty(n * count, np.float32)
+        world.all_gather(same, got)
+        identical = all(np.array_equal(same[q * count:(q + 1) * count], got, equal_nan=True) for q in range(n))
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(exact)
+            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
+                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
+            over = (np.abs(got.astype(np.float64) - exact)
+                    - bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0), block_max(xs, block)))[finite]
+        res[count] = (identical, specials, float(over.max(initial=-1.0)))
+    # two posted back to back, waited in reverse: each its own result
+    a = np.full(4099, r + 1, np.float32)
+    b = np.full(4099, 10.0 * (r + 1), np.float32)
+    wa = world.all_reduce(a, compress=fmt, async_op=True)
+    wb = world.all_reduce(b, comm.AVG, compress=fmt, async_op=True)
+    wb.wait()
+    wa.wait()
+    total = n * (n + 1) / 2
+    res["queued"] = (np.abs(a - total).max() <= 2 ** -7 * total, np.abs(b - 10 * total / n).max() <= 2 ** -7 * 10 * total / n)
+    return res
+
+
+def check_odd_sizes(results, algorithm: str) -> None:
+    for r, res in enumerate(results):
+        assert res.pop("algorithms") == {algorithm}, f"rank {r}: ran {res}"
+        assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed all_reduces went wrong"
+        for count, (identical, specials, over) in res.items():
+            assert identical, f"rank {r}, {count} elements: ranks hold different bits"
+            assert specials, f"rank {r}, {count} elements: NaN / Inf not as on the exact path"
+            assert over <= 0, f"rank {r}, {count} elements: over the bound by {over}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_engine_odd_sizes_identical_within_bound(fmt):
+    # 3 ranks: shares that no unit divides evenly; fp8 with a block of 48 (not a power of two)
+    block = 256 if fmt == "bf16" else 48
+    results = run_ranks(odd_sizes_suite, 3, fmt, ODD_COUNTS, block, env={**FORCE, "COMM_COMPRESS_BLOCK": str(block)})
+    check_odd_sizes(results, "compressed-flat")
+
+
+def engine_refusals(world) -> list[str]:
+    """The engine's own checks, past the communicator's (a caller of comm._native)."""
+    import comm
+    from comm import _native
+    eng = world._transport._engine
+    x = np.ones(64, np.float64)
+    y = np.ones(64, np.float32)
+    seen = []
+    for kind, dtype, op, buf, wire, block in ((0, 3, 0, x, 1, 0),     # float64
+                                              (0, 2, 3, y, 2, 256),   # MAX
+                                              (1, 2, 0, y, 1, 0),     # reduce_scatter
+                                              (0, 2, 0, y, 2, 0),     # fp8 without a block
+                                              (0, 2, 0, y, 7, 0)):    # unknown wire
+        try:
+            eng.post(kind, dtype, op, 1.0, buf.ctypes.data, buf.nbytes, buf.ctypes.data, buf.nbytes,
+                     64 // (world.size if kind == 1 else 1), 0, -1, 0, (), (), True, wire, block)
+            seen.append("accepted")
+        except _native.NativeError as e:
+            seen.append(str(e))
+    world.all_reduce(y)   # still usable
+    seen.append(float(y[0]))
+    # one rank exact, the other compressed: an error on both, within the timeout
+    z = np.ones(1 << 16, np.float32)
+    try:
+        if world.rank == 0:
+            world.all_reduce(z)
+        else:
+            world.all_reduce(z, compress="bf16")
+        seen.append("no error")
+    except comm.CommError as e:
+        seen.append(type(e).__name__ + ": " + str(e))
+    return seen
+
+
+def test_engine_refuses_bad_wires_and_mixed_calls_fail():
+    results = run_ranks(engine_refusals, 2, env={**FORCE, "COMM_TIMEOUT": "4"})
+    for r, seen in enumerate(results):
+        assert "float32 all_reduce" in seen[0] and "float32 all_reduce" in seen[2], seen
+        assert "SUM, AVG or PREMUL_SUM" in seen[1], seen
+        assert "fp8 scale block" in seen[3] and "wire format code 7" in seen[4], seen
+        assert seen[5] == 2.0
+        assert seen[6] != "no error" and f"rank {r}" in seen[6], f"rank {r}: {seen[6]}"
+
+
+def exact_beside_compressed(world) -> str:
+    import comm
+    z = np.ones(1 << 16, np.float32)
+    try:
+        world.all_reduce(z, compress="bf16" if world.rank == 0 else None)
+        return "no error"
+    except comm.CommError as e:
+        return type(e).__name__ + ": " + str(e)
+
+
+def test_engine_names_the_wire_when_ranks_disagree():
+    """Where the exact rank's algorithm also speaks in messages (here the ring), the headers
+    differ at the first one: Mismatch at once, naming the compressed side (the shared-memory
+    direct paths publish in slots instead, and the two sides meet only at the timeout)."""
+    results = run_ranks(exact_beside_compressed, 2, env={**FORCE, "COMM_ALGO": "ring", "COMM_TIMEOUT": "30"})
+    for r, seen in enumerate(results):
+        assert seen.startswith("Mismatch") and f"rank {r}" in seen and "compress=bf16" in seen, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_engine_two_level_odd_sizes(fmt):
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(unavailable())
+    from harness import Cluster
+    with NetnsCluster(2) as hosts:
+        c = Cluster(4, "native", netns=[hosts.ns[h] for h in (0, 0, 1, 1)], timeout=120,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_COMPRESS_MIN_BYTES": "0",
+                         "COMM_COMPRESS": "on"})
+        try:
+            results = c.run(odd_sizes_suite, fmt, ODD_COUNTS + ((3 << 20) + 5,), timeout=120)
+        finally:
+            c.close()
+    check_odd_sizes(results, "compressed-twolevel")
