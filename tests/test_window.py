@@ -22,6 +22,16 @@ SETUPS = {"cma": ("native", {}), "shm": ("native", {"COMM_CMA": "0"}),
           "ucx-messages": ("ucx", {})}   # UCX's default: the p2p stream
 
 
+def _reads_back(w, p: int, want: np.ndarray) -> bool:
+    """Rank p's whole window, its last byte and an empty read at its end, read back = want."""
+    whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
+    w.get(p, whole)
+    w.get(p, last, w.sizes[p] - 1)
+    w.get(p, empty, w.sizes[p])
+    w.flush(p)
+    return bool(last[0] == whole[-1] and np.array_equal(whole, want))
+
+
 def _params(slow=()):
     return [engine_param(name, channels="ucx" if name.startswith("ucx") else "auto", slow=name in slow)
             for name in SETUPS]
@@ -73,12 +83,7 @@ def _edges(world):
         world.barrier()   # every rank's puts landed (flush), so every window is final
         assert np.array_equal(buf, written[me])
         for p in range(n):
-            whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
-            w.get(p, whole)
-            w.get(p, last, w.sizes[p] - 1)
-            w.get(p, empty, w.sizes[p])
-            w.flush(p)
-            assert last[0] == whole[-1] and np.array_equal(whole, written[p])
+            assert _reads_back(w, p, written[p])
         w.fence()
     return True
 
@@ -304,7 +309,7 @@ def test_torch_tensors(cluster):
 # ---- refusals: bad input before anything moves, closed windows, timeouts, hostile peers --------
 
 def _refusals(world):
-    me, peer = world.rank, 1 - world.rank
+    peer = 1 - world.rank
     buf = np.full(64, 9, np.uint8)
     errors = []
     w = world.window(buf, signals=2)
@@ -519,14 +524,7 @@ def _allocated_edges(world):
         signals = [w.signal(k) for k in range(4)]
         world.barrier()
         mine = bool(np.array_equal(w.buffer, written[me]))
-        back = []
-        for p in range(n):
-            whole, last, empty = np.zeros(w.sizes[p], np.uint8), np.zeros(1, np.uint8), np.zeros(0, np.uint8)
-            w.get(p, whole)
-            w.get(p, last, w.sizes[p] - 1)
-            w.get(p, empty, w.sizes[p])
-            w.flush(p)
-            back.append(bool(last[0] == whole[-1] and np.array_equal(whole, written[p])))
+        back = [_reads_back(w, p, written[p]) for p in range(n)]
         w.fence()
     return mine, back, signals
 
@@ -626,7 +624,7 @@ def test_allocated_window_page_size(cluster):
 def _allocated_refusals(world):
     """Bad sizes refuse the window before any exchange; bad puts / gets on an allocated window
     are refused (the lean native call hands them to the full checks) before a byte moves."""
-    me, peer = world.rank, 1 - world.rank
+    peer = 1 - world.rank
     errors = []
 
     def refused(fn, *args, **kw):
