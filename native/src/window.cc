@@ -8,8 +8,6 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <climits>
 #include <cstring>
