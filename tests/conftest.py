@@ -1,4 +1,6 @@
 """Shared fixtures: persistent rank clusters, reused across tests and rebuilt after a failure."""
+import os
+
 import pytest
 
 from harness import Cluster
@@ -24,15 +26,22 @@ def pytest_report_header():
 
 @pytest.fixture(scope="session")
 def cluster():
-    clusters: dict = {}
+    """get(n, transport, launcher, env): a live cluster of that kind, reused. At most
+    TEST_CLUSTERS_KEPT of them stay alive (default: all), the least recently used closed first:
+    tests/sanitize.sh keeps few, as each of its ranks holds hundreds of MiB under ASan."""
+    kept = int(os.environ.get("TEST_CLUSTERS_KEPT", "0")) or None
+    clusters: dict = {}   # in order of last use
 
     def get(n: int, transport: str = "native", launcher: str = "spawn", env: dict | None = None):
         key = (n, transport, launcher, tuple(sorted((env or {}).items())))
-        c = clusters.get(key)
+        c = clusters.pop(key, None)
         if c is None or c.broken:
             if c is not None:
                 c.close()
-            c = clusters[key] = Cluster(n, transport, launcher=launcher, env=env)
+            while kept is not None and len(clusters) >= kept:
+                clusters.pop(next(iter(clusters))).close()
+            c = Cluster(n, transport, launcher=launcher, env=env)
+        clusters[key] = c
         return c
 
     yield get

@@ -26,7 +26,11 @@ fi
 # Python itself is not instrumented: the runtime must be loaded first, with the C++ runtime
 # (whose exceptions ASan intercepts); Python's own allocations look like leaks to LeakSanitizer.
 export LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so)"
-export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0
+# Each rank under ASan holds hundreds of MiB (shadow, quarantine): a smaller quarantine, and
+# only the last few test clusters kept alive (tests/conftest.py), keep the run well inside a
+# 24 GiB machine (with every cluster kept, the run peaked at 17 GiB and was once OOM-killed).
+export ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:alloc_dealloc_mismatch=0:quarantine_size_mb=32
+export TEST_CLUSTERS_KEPT=${TEST_CLUSTERS_KEPT:-3}
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
 # The subset (a few minutes on 2 cores; everything runs about 5x slower under ASan): bad
 # input at every layer and all_to_all on the wire (test_memory_safety, test_invalid_input),
