@@ -196,7 +196,14 @@ bool Window::put(int peer, uintptr_t src, uint64_t len, uint64_t offset, int sig
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);  // connected on first use
   if (rma(peer)) {
-    if (rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s)) || signal < 0) return false;
+    bool added;
+    try {
+      added = rma_->put(peer, from, len, offset, signal, rma_wait(c_.opt.timeout_s));
+    } catch (const CommError&) {
+      c_.check_alive();  // a peer that died says so, rather than the fabric's timeout
+      throw;
+    }
+    if (added || signal < 0) return false;
     len = 0;  // its data landed: the signal follows as a message, which the target counts in
   }
   p2p_.post_window(peer, kWinPut, peers_[peer].id, offset, const_cast<char*>(from), len, signal);
@@ -275,6 +282,7 @@ void Window::flush(int peer, double timeout_s) {
     try {
       rma_->flush(peer, rma_wait(timeout_s));
     } catch (const CommError& e) {
+      c_.check_alive();  // a peer that died says so, rather than the fabric's timeout
       if (e.code == ErrorCode::TIMEOUT)
         fail(ErrorCode::TIMEOUT, peer, "flush: RMA to " + (peer < 0 ? std::string("the peers") : who(peer)) +
                                            " did not complete within " + std::to_string(timeout_s) +
