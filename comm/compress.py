@@ -4,11 +4,12 @@
                                                 # all_gather, their v forms and *_init
 
 A layer above the transports. On the native engine (and its UCX / verbs channels) a
-compressed all_reduce runs inside the engine (native/src/twolevel_compress.cc: the same
-algorithm, its network phase encoding and decode-adding on the engine's thread, pipelined with
-the shared-memory phases; async_op=True returns a Work that completes later); everything else
-is built from the communicator's own collectives (comm/compress_plan.py), so it runs on every
-transport. Formats: "bf16" (float32 / float64 data sent as bfloat16, rounded to
+compressed all_reduce, reduce_scatter or all_gather runs inside the engine
+(native/src/twolevel_compress.cc: the same algorithm, its network phase encoding and
+decode-adding on the engine's thread, pipelined with the shared-memory phases; async_op=True
+returns a Work that completes later for float32 data; other floats are converted around it);
+the v forms, and everything on other transports, are built from the communicator's own
+collectives (comm/compress_plan.py), so they run on every transport. Formats: "bf16" (float32 / float64 data sent as bfloat16, rounded to
 nearest even) and "fp8" (e4m3 codes with one float32 scale per block of COMM_COMPRESS_BLOCK
 elements; see native/src/compress.h). Every partial sum is kept in float32 by the receiver.
 
@@ -38,7 +39,8 @@ wire is as wide as the data (bfloat16 or float16 data with "bf16") the exact pat
 COMM_DEBUG=1 logs the path each (op, format) first takes, and each measured choice.
 The algorithm itself lives in comm/compress_plan.py.
 
-The plan's calls run on the caller's thread; with async_op=True the returned Work is complete.
+The plan's calls (and the engine's converted ones) run on the caller's thread; with
+async_op=True the returned Work is complete.
 """
 from __future__ import annotations
 
@@ -130,23 +132,20 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
     return _compressed(c, desc, fmt, async_op)
 
 
+# What the transport's engine runs compressed itself (Transport.compressed_wire): the even
+# forms; the v forms run the plan.
+_ENGINE_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER)
+
+
 def _compressed(c, desc: OpDesc, fmt: str, async_op: bool = False):
-    """Runs desc compressed: an all_reduce in the transport's engine where it has one (a real
-    Work with async_op), else the plan (comm/compress_plan.py) on this thread."""
+    """Runs desc compressed: in the transport's engine where it has one (a real Work with
+    async_op for float32 data), else the plan (comm/compress_plan.py) on this thread."""
     label = desc.kind.label
     block = config.get("COMM_COMPRESS_BLOCK")
-    if desc.kind is OpKind.ALL_REDUCE and c._transport.compressed_wire:
+    if desc.kind in _ENGINE_KINDS and c._transport.compressed_wire:
         if desc.dtype is DType.FLOAT32:
             return c._post(replace(desc, wire=fmt, wire_block=block), async_op)
-        # other floats: summed as float32 in a workspace, converted back (as the plan does);
-        # _load applies PREMUL_SUM's factor, the engine AVG's
-        work = np.empty(desc.count, np.float32)
-        _load(work, desc.send, 0, desc.count, desc)
-        buf = c._buf(work, label, writable=True, what="input")
-        op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
-        c._post(OpDesc(OpKind.ALL_REDUCE, buf, buf, DType.FLOAT32, desc.count, op, wire=fmt, wire_block=block),
-                False)
-        _store_into(desc.recv.numpy(), 0, work, desc.dtype)
+        _engine_converted(c, desc, fmt, block)
         return Work(c, _Ran(), label, None) if async_op else None
     if c._failure is not None or c._closed:
         c._refuse(label)
@@ -203,6 +202,21 @@ class _Probe:
         self.best, self.faster = (float(best[0]), float(best[1])), bool(best[1] < _MARGIN * best[0])
         log.debug(c.rank, f"{c._ctx.group_name}: {desc.kind.label} of 2^{desc_bits(desc)} bytes with "
                           f"compress={fmt}: {self.times_ms()}: {'compressed' if self.faster else 'exact'} from now on")
+
+
+def _engine_converted(c, desc: OpDesc, fmt: str, block: int) -> None:
+    """float64 / float16 / bfloat16 data: converted to float32 workspaces (as the plan does:
+    _load applies PREMUL_SUM's factor, the engine AVG's), run in the engine, converted back."""
+    label, n = desc.kind.label, c.size
+    sizes = {OpKind.ALL_REDUCE: (desc.count, desc.count), OpKind.REDUCE_SCATTER: (n * desc.count, desc.count),
+             OpKind.ALL_GATHER: (desc.count, n * desc.count)}[desc.kind]
+    src, dst = np.empty(sizes[0], np.float32), np.empty(sizes[1], np.float32)
+    _load(src, desc.send, 0, sizes[0], desc)
+    send = c._buf(src, label, writable=True, what="input")
+    recv = c._buf(dst, label, writable=True, what="output")
+    op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
+    c._post(OpDesc(desc.kind, send, recv, DType.FLOAT32, desc.count, op, wire=fmt, wire_block=block), False)
+    _store_into(desc.recv.numpy(), 0, dst, desc.dtype)
 
 
 def desc_bits(desc: OpDesc) -> int:

@@ -1,8 +1,9 @@
 """The algorithm of compressed collectives (comm.compress): the wire formats, the
 sub-communicators of one communicator's compressed calls, and the phases built from their
 collectives (see comm/compress.py for the whole picture). Nothing here decides whether to
-compress; comm.compress does, and calls Plan.run. A transport that compresses an all_reduce
-itself (Transport.compressed_wire: the native engine) never reaches Plan.all_reduce.
+compress; comm.compress does, and calls Plan.run. A transport that compresses itself
+(Transport.compressed_wire: the native engine) reaches the plan only with the v forms
+(all_gather_v, reduce_scatter_v): all_reduce, reduce_scatter and all_gather run in its engine.
 """
 from __future__ import annotations
 

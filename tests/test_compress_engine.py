@@ -1,7 +1,8 @@
-"""The compressed all_reduce inside the native engine (native/src/twolevel_compress.cc): odd
-sizes and fp8 blocks cut anywhere, every rank the same bits, the README's error bound, NaN and
-Inf as on the exact path, real asynchronous Work, the engine's own validation, and a rank on
-the exact path beside compressed ones failing instead of hanging. Quick: one host with
+"""The compressed all_reduce, reduce_scatter and all_gather inside the native engine
+(native/src/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank the same
+bits, the README's error bound, NaN and Inf as on the exact path, real asynchronous Work, the
+engine's own validation, and a rank on the exact path beside compressed ones failing instead
+of hanging. Quick: one host with
 COMM_COMPRESS=force (the flat form); slow: 2 simulated hosts x 2 ranks (the two-level form)."""
 from __future__ import annotations
 
@@ -82,6 +83,90 @@ def test_engine_odd_sizes_identical_within_bound(fmt):
     check_odd_sizes(results, "compressed-flat")
 
 
+def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
+    """reduce_scatter and all_gather compressed in the engine against the exact path: counts
+    are each rank's block."""
+    import comm
+    n, r = world.size, world.rank
+    res = {"algorithms": set()}
+    u = 2.0 ** -8 if fmt == "bf16" else 2.0 ** -4
+    for seed, count in enumerate(counts):
+        # reduce_scatter (AVG on every other size): block r of the sum, each element quantized once
+        x = odd_inputs(r, n, n * count, seed)
+        every = np.empty(n * n * count, np.float32)
+        world.all_gather(every, x)
+        xs = every.reshape(n, n, count)[:, r, :]   # [rank, element] of block r
+        op = comm.AVG if seed % 2 else comm.SUM
+        exact, got = np.empty(count, np.float32), np.empty(count, np.float32)
+        world.reduce_scatter(exact, x, op)
+        world.reduce_scatter(got, x, op, compress=fmt, async_op=True).wait()
+        res["algorithms"].add(world._transport._engine.last_algorithm)
+        scale = n if op is comm.AVG else 1
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(exact)
+            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
+                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
+            over = (np.abs(got.astype(np.float64) - exact) * scale
+                    - bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0), block_max(xs, block)))[finite]
+        res[f"reduce_scatter {count}"] = (True, specials, float(over.max(initial=-1.0)))
+        # all_gather: each shard quantized once, every rank the same bits
+        y = odd_inputs(r, n, count, seed + 50)
+        ys = np.empty(n * count, np.float32)
+        world.all_gather(ys, y)
+        ag = np.empty(n * count, np.float32)
+        world.all_gather(ag, y, compress=fmt, async_op=True).wait()
+        res["algorithms"].add(world._transport._engine.last_algorithm)
+        same = np.empty(n * n * count, np.float32)
+        world.all_gather(same, ag)
+        identical = all(np.array_equal(same[q * n * count:(q + 1) * n * count], ag, equal_nan=True) for q in range(n))
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(ys)
+            specials = (np.array_equal(np.isnan(ag), np.isnan(ys))
+                        and np.array_equal(ag[np.isinf(ys)], ys[np.isinf(ys)]))
+            bm = np.concatenate([block_max(ys[None, q * count:(q + 1) * count], block) for q in range(n)])
+            # one quantization: half the bound of a sum of one
+            over = (np.abs(ag.astype(np.float64) - ys) - 0.5 * bound(fmt, 1, np.abs(ys.astype(np.float64)), bm))[finite]
+        res[f"all_gather {count}"] = (identical, specials, float(over.max(initial=-1.0)))
+    # float64 data (converted around the engine), premultiplied
+    z = np.random.default_rng(r).standard_normal(n * 1000)
+    zs = np.empty(n * z.size)
+    world.all_gather(zs, z)
+    zout = np.empty(1000)
+    world.reduce_scatter(zout, z, comm.premul_sum(0.5), compress=fmt)
+    want = 0.5 * zs.reshape(n, n, 1000)[:, r, :].sum(axis=0)
+    mag = 0.5 * np.abs(zs.reshape(n, n, 1000)[:, r, :]).sum(axis=0)
+    res["float64 reduce_scatter"] = (True, True, float((np.abs(zout - want) - bound(fmt, n, mag, mag)).max()))
+    # two posted back to back, waited in reverse: each its own result
+    a, a_out = np.full(n * 4099, r + 1, np.float32), np.empty(4099, np.float32)
+    b, b_out = np.full(4099, 10.0 * (r + 1), np.float32), np.empty(n * 4099, np.float32)
+    wa = world.reduce_scatter(a_out, a, compress=fmt, async_op=True)
+    wb = world.all_gather(b_out, b, compress=fmt, async_op=True)
+    wb.wait()
+    wa.wait()
+    total = n * (n + 1) / 2
+    want_b = np.repeat(10.0 * np.arange(1, n + 1), 4099)
+    res["queued"] = (bool(np.abs(a_out - total).max() <= u * total), bool(np.abs(b_out - want_b).max() <= u * want_b.max()))
+    return res
+
+
+def check_shards(results, algorithm: str) -> None:
+    for r, res in enumerate(results):
+        assert res.pop("algorithms") == {algorithm}, f"rank {r}: ran {res}"
+        assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed calls went wrong"
+        for name, (identical, specials, over) in res.items():
+            assert identical, f"rank {r}, {name}: ranks hold different bits"
+            assert specials, f"rank {r}, {name}: NaN / Inf not as on the exact path"
+            assert over <= 0, f"rank {r}, {name}: over the bound by {over}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_engine_reduce_scatter_all_gather_odd_sizes(fmt):
+    # 3 ranks on one host (the flat form); fp8 with a block of 48, not a power of two
+    block = 256 if fmt == "bf16" else 48
+    results = run_ranks(shards_suite, 3, fmt, ODD_COUNTS, block, env={**FORCE, "COMM_COMPRESS_BLOCK": str(block)})
+    check_shards(results, "compressed-flat")
+
+
 def engine_refusals(world) -> list[str]:
     """The engine's own checks, past the communicator's (a caller of comm._native)."""
     import comm
@@ -92,12 +177,16 @@ def engine_refusals(world) -> list[str]:
     seen = []
     for kind, dtype, op, buf, wire, block in ((0, 3, 0, x, 1, 0),     # float64
                                               (0, 2, 3, y, 2, 256),   # MAX
-                                              (1, 2, 0, y, 1, 0),     # reduce_scatter
+                                              (3, 2, 0, y, 1, 0),     # broadcast
                                               (0, 2, 0, y, 2, 0),     # fp8 without a block
-                                              (0, 2, 0, y, 7, 0)):    # unknown wire
+                                              (0, 2, 0, y, 7, 0),     # unknown wire
+                                              (1, 2, 2, y, 1, 0),     # reduce_scatter with MIN
+                                              (2, 3, 0, x, 2, 256)):  # all_gather of float64
         try:
-            eng.post(kind, dtype, op, 1.0, buf.ctypes.data, buf.nbytes, buf.ctypes.data, buf.nbytes,
-                     64 // (world.size if kind == 1 else 1), 0, -1, 0, (), (), True, wire, block)
+            count = 64 // world.size if kind in (1, 2) else 64
+            eng.post(kind, dtype, op, 1.0, buf.ctypes.data, buf.nbytes if kind != 2 else count * buf.itemsize,
+                     buf.ctypes.data, buf.nbytes if kind != 1 else count * buf.itemsize,
+                     count, 0, -1, 0, (), (), True, wire, block)
             seen.append("accepted")
         except _native.NativeError as e:
             seen.append(str(e))
@@ -118,12 +207,13 @@ def engine_refusals(world) -> list[str]:
 
 def test_engine_refuses_bad_wires_and_mixed_calls_fail():
     results = run_ranks(engine_refusals, 2, env={**FORCE, "COMM_TIMEOUT": "4"})
+    wants = "float32 data in an all_reduce, reduce_scatter or all_gather"
     for r, seen in enumerate(results):
-        assert "float32 all_reduce" in seen[0] and "float32 all_reduce" in seen[2], seen
-        assert "SUM, AVG or PREMUL_SUM" in seen[1], seen
+        assert wants in seen[0] and wants in seen[2] and wants in seen[6], seen
+        assert "SUM, AVG or PREMUL_SUM" in seen[1] and "SUM, AVG or PREMUL_SUM" in seen[5], seen
         assert "fp8 scale block" in seen[3] and "wire format code 7" in seen[4], seen
-        assert seen[5] == 2.0
-        assert seen[6] != "no error" and f"rank {r}" in seen[6], f"rank {r}: {seen[6]}"
+        assert seen[7] == 2.0
+        assert seen[8] != "no error" and f"rank {r}" in seen[8], f"rank {r}: {seen[8]}"
 
 
 def exact_beside_compressed(world) -> str:
@@ -143,6 +233,27 @@ def test_engine_names_the_wire_when_ranks_disagree():
     results = run_ranks(exact_beside_compressed, 2, env={**FORCE, "COMM_ALGO": "ring", "COMM_TIMEOUT": "30"})
     for r, seen in enumerate(results):
         assert seen.startswith("Mismatch") and f"rank {r}" in seen and "compress=bf16" in seen, seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", [[0, 0, 1, 1], [0, 1, 0, 1]], ids=["2x2", "cyclic"])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_engine_two_level_reduce_scatter_all_gather(fmt, placement):
+    """The two-level forms across 2 simulated hosts: block r must land on rank r whatever the
+    placement (cyclic: hosts hold ranks 0, 2 and 1, 3), large sizes in pipelined segments."""
+    from bench.cluster import NetnsCluster, unavailable
+    if unavailable():
+        pytest.skip(unavailable())
+    from harness import Cluster
+    with NetnsCluster(2) as hosts:
+        c = Cluster(4, "native", netns=[hosts.ns[h] for h in placement], timeout=180,
+                    env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_COMPRESS_MIN_BYTES": "0",
+                         "COMM_COMPRESS": "on"})
+        try:
+            results = c.run(shards_suite, fmt, ODD_COUNTS + ((3 << 20) + 5,), timeout=180)
+        finally:
+            c.close()
+    check_shards(results, "compressed-twolevel")
 
 
 @pytest.mark.slow

@@ -66,7 +66,7 @@ struct Coll {
   const std::vector<uint64_t>* recv_counts;
   uint64_t seq;
   size_t elem;        // itemsize
-  Wire wire;          // EXACT, or the compressed all_reduce's format (twolevel_compress.cc)
+  Wire wire;          // EXACT, or a compressed collective's format (twolevel_compress.cc)
   size_t wire_block;  // fp8: elements per scale
   WireHeader header(size_t len) const;
 };

@@ -405,7 +405,7 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
     run_alone(op);
     last_algorithm_ = "local";
   } else if (a.wire != Wire::EXACT) {  // compressed: one algorithm, whatever the size
-    last_algorithm_ = compressed_all_reduce(comm_, op);
+    last_algorithm_ = compressed_collective(comm_, op);
   } else if (a.algo) {  // prepared: chosen once (the choice does not depend on pointers)
     last_algorithm_ = a.algo_name;
     a.algo(comm_, op);

@@ -58,12 +58,14 @@ void validate(const OpArgs& a, int rank, int size) {
   const uint64_t block = times(a.count, elem);  // one rank's share, for every kind but all_to_all
   const uint64_t all = times(block, static_cast<uint64_t>(size));
   const bool root = rank == a.root;
-  if (a.wire != Wire::EXACT) {  // compressed: float32 sums of an all_reduce only (twolevel_compress.cc)
+  if (a.wire != Wire::EXACT) {  // compressed: float32 all_reduce, reduce_scatter, all_gather (twolevel_compress.cc)
     if (static_cast<int>(a.wire) >= static_cast<int>(Wire::COUNT))
       invalid("wire format code " + std::to_string(static_cast<int>(a.wire)) + " is unknown");
-    if (a.kind != OpKind::ALL_REDUCE || a.dtype != DType::F32)
-      invalid("a compressed wire format needs a float32 all_reduce");
-    if (a.op != ReduceOp::SUM && a.op != ReduceOp::AVG && a.op != ReduceOp::PREMUL_SUM)
+    if ((a.kind != OpKind::ALL_REDUCE && a.kind != OpKind::REDUCE_SCATTER && a.kind != OpKind::ALL_GATHER) ||
+        a.dtype != DType::F32)
+      invalid("a compressed wire format needs float32 data in an all_reduce, reduce_scatter or all_gather");
+    if (a.kind != OpKind::ALL_GATHER && a.op != ReduceOp::SUM && a.op != ReduceOp::AVG &&
+        a.op != ReduceOp::PREMUL_SUM)
       invalid("a compressed wire format sums: the op must be SUM, AVG or PREMUL_SUM");
     if (a.wire == Wire::FP8 && (a.wire_block == 0 || a.wire_block > (1u << 24)))
       invalid("the fp8 scale block must hold 1 to 2^24 elements, not " + std::to_string(a.wire_block));
