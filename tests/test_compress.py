@@ -396,6 +396,15 @@ def ddp_hook_run(rank, size, port, fmt):
             hooks.CompressedAllGather(fmt)(gathered, got, None)
             dist.all_gather_into_tensor(exact, got)
             fsdp_ok &= bool(torch.allclose(gathered, exact, rtol=0.07, atol=1e-3 * float(got.abs().max())))
+            # posted (async_op=True, as FSDP2 asks for its all_gather): torch Works FSDP2 waits
+            # on, here waited in reverse; the same inputs give the same bits
+            got2, gathered2 = torch.empty(1000), torch.empty(size * 1000)
+            w_rs = hooks.CompressedReduceScatter(fmt)(got2, inp, None, dist.ReduceOp.SUM, async_op=True)
+            w_ag = hooks.CompressedAllGather(fmt)(gathered2, got, None, async_op=True)
+            w_ag.wait()
+            w_rs.wait()
+            fsdp_ok &= all(isinstance(w, dist.distributed_c10d.Work) for w in (w_rs, w_ag))
+            fsdp_ok &= bool(torch.equal(got2, got) and torch.equal(gathered2, gathered))
     return losses, fsdp_ok
 
 

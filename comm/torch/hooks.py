@@ -21,8 +21,10 @@ bound); fp8_hook's is at most (2^-3 + 2^-8 + n x 2^-23) of it plus 9e-6 of the s
 ranks' block maxima. The average (DDP's gradient mean) is taken in float32 after the sum.
 
 The hooks post the all_reduce asynchronously (async_op=True: on the native engine the compressed
-all_reduce runs on the engine's thread) and return its future, so backward goes on meanwhile;
-the FSDP2 collectives run on the calling thread (FSDP2 runs them on its own streams' schedule).
+all_reduce runs on the engine's thread) and return its future, so backward goes on meanwhile.
+The FSDP2 collectives do as FSDP2 asks: with async_op=True (its all_gather on the CPU) they post
+and return the Work FSDP2 waits on (the native engine runs the compressed reduce_scatter /
+all_gather on its own thread); without it (its reduce_scatter) they return once done.
 """
 import torch
 import torch.distributed as dist
@@ -68,6 +70,15 @@ def _all_reduce_hook(group, bucket, fmt: str) -> torch.futures.Future:
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def _post(group, op: str, output: torch.Tensor, async_op: bool, call):
+    """FSDP2's collective: with async_op, posted (the native engine runs it compressed on its
+    own thread) and its torch Work returned, which FSDP2 waits on; else run here, None."""
+    if not async_op:
+        call(communicator(group, op), False)
+        return None
+    return _backend(group, op)._launch(op, output.device, lambda comm, a: [call(comm, a)], [output])
+
+
 def bf16_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP hook: the gradient mean with bfloat16 on the wire and float32 sums. state: the group."""
     return _all_reduce_hook(state, bucket, "bf16")
@@ -88,11 +99,11 @@ class CompressedReduceScatter(ReduceScatter):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
-        c = communicator(group, "reduce_scatter")
         if isinstance(op, dist.ReduceOp.RedOpType):   # dist.ReduceOp.SUM itself, not a ReduceOp
             op = dist.ReduceOp(op)
-        c.reduce_scatter(output_tensor, input_tensor, reduce_op(op), compress=self.fmt)
-        return None   # done: FSDP2 waits only on a returned Work
+        rop = reduce_op(op)
+        return _post(group, "reduce_scatter", output_tensor, async_op,
+                     lambda c, a: c.reduce_scatter(output_tensor, input_tensor, rop, compress=self.fmt, async_op=a))
 
 
 class CompressedAllGather(AllGather):
@@ -105,5 +116,5 @@ class CompressedAllGather(AllGather):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
-        communicator(group, "all_gather").all_gather(output_tensor, input_tensor, compress=self.fmt)
-        return None
+        return _post(group, "all_gather", output_tensor, async_op,
+                     lambda c, a: c.all_gather(output_tensor, input_tensor, compress=self.fmt, async_op=a))
