@@ -328,7 +328,8 @@ class CompressedAllGather final : public TwoLevelPipeline {
       Coll bytes = op_;  // the packets, as bytes; count stays the op's (the signature)
       bytes.elem = 1;
       const size_t per_host = hosts * packet(k);
-      return ring_gather_blocks_steps(c_, t_.local, bytes, packets, Blocks{t_.local.size() * per_host, t_.local.size()});
+      return ring_gather_blocks_steps(c_, t_.local, bytes, packets,
+                                      Blocks{t_.local.size() * per_host, t_.local.size()});
     }
     std::vector<char*> outs;
     for (int j = 0; j < hosts; j++) outs.push_back(out(cross_.at(j), k));
