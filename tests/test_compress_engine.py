@@ -136,6 +136,18 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
     want = 0.5 * zs.reshape(n, n, 1000)[:, r, :].sum(axis=0)
     mag = 0.5 * np.abs(zs.reshape(n, n, 1000)[:, r, :]).sum(axis=0)
     res["float64 reduce_scatter"] = (True, True, float((np.abs(zout - want) - bound(fmt, n, mag, mag)).max()))
+    # in place (the input is this rank's block of the output, as torch's in-place forms): the
+    # same bits as out of place
+    big = odd_inputs(r, n, n * 5003, 99)
+    ag_ref, rs_ref = np.empty(n * 5003, np.float32), np.empty(5003, np.float32)
+    world.all_gather(ag_ref, big[r * 5003:(r + 1) * 5003], compress=fmt)
+    world.reduce_scatter(rs_ref, big, compress=fmt)
+    ag_in = big.copy()
+    world.all_gather(ag_in, ag_in[r * 5003:(r + 1) * 5003], compress=fmt)
+    world.reduce_scatter(big[r * 5003:(r + 1) * 5003], big, compress=fmt)
+    same = np.array_equal(ag_in, ag_ref, equal_nan=True) and np.array_equal(big[r * 5003:(r + 1) * 5003], rs_ref,
+                                                                            equal_nan=True)
+    res["in place"] = (same,)
     # two posted back to back, waited in reverse: each its own result
     a, a_out = np.full(n * 4099, r + 1, np.float32), np.empty(4099, np.float32)
     b, b_out = np.full(4099, 10.0 * (r + 1), np.float32), np.empty(n * 4099, np.float32)
@@ -153,6 +165,7 @@ def check_shards(results, algorithm: str) -> None:
     for r, res in enumerate(results):
         assert res.pop("algorithms") == {algorithm}, f"rank {r}: ran {res}"
         assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed calls went wrong"
+        assert res.pop("in place")[0], f"rank {r}: in place, other bits than out of place"
         for name, (identical, specials, over) in res.items():
             assert identical, f"rank {r}, {name}: ranks hold different bits"
             assert specials, f"rank {r}, {name}: NaN / Inf not as on the exact path"
