@@ -229,23 +229,32 @@ def test_engine_refuses_bad_wires_and_mixed_calls_fail():
         assert seen[8] != "no error" and f"rank {r}" in seen[8], f"rank {r}: {seen[8]}"
 
 
-def exact_beside_compressed(world) -> str:
+def exact_beside_compressed(world, op: str) -> str:
     import comm
-    z = np.ones(1 << 16, np.float32)
+    n = world.size
+    z, part = np.ones(1 << 16, np.float32), np.ones((1 << 16) // n, np.float32)
+    fmt = "bf16" if world.rank == 0 else None
     try:
-        world.all_reduce(z, compress="bf16" if world.rank == 0 else None)
+        if op == "all_reduce":
+            world.all_reduce(z, compress=fmt)
+        elif op == "reduce_scatter":
+            world.reduce_scatter(part, z, compress=fmt)
+        else:
+            world.all_gather(z, part, compress=fmt)
         return "no error"
     except comm.CommError as e:
         return type(e).__name__ + ": " + str(e)
 
 
-def test_engine_names_the_wire_when_ranks_disagree():
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_engine_names_the_wire_when_ranks_disagree(op):
     """Where the exact rank's algorithm also speaks in messages (here the ring), the headers
     differ at the first one: Mismatch at once, naming the compressed side (the shared-memory
     direct paths publish in slots instead, and the two sides meet only at the timeout)."""
-    results = run_ranks(exact_beside_compressed, 2, env={**FORCE, "COMM_ALGO": "ring", "COMM_TIMEOUT": "30"})
+    results = run_ranks(exact_beside_compressed, 2, op, env={**FORCE, "COMM_ALGO": "ring", "COMM_TIMEOUT": "30"})
     for r, seen in enumerate(results):
         assert seen.startswith("Mismatch") and f"rank {r}" in seen and "compress=bf16" in seen, seen
+        assert op in seen, seen
 
 
 @pytest.mark.slow
