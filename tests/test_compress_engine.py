@@ -258,17 +258,23 @@ def test_engine_names_the_wire_when_ranks_disagree(op):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", [[0, 0, 1, 1], [0, 1, 0, 1]], ids=["2x2", "cyclic"])
+@pytest.mark.parametrize("transport, placement", [("native", [0, 0, 1, 1]), ("native", [0, 1, 0, 1]),
+                                                  ("ucx", [0, 0, 1, 1])], ids=["2x2", "cyclic", "ucx-2x2"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_engine_two_level_reduce_scatter_all_gather(fmt, placement):
+def test_engine_two_level_reduce_scatter_all_gather(fmt, transport, placement):
     """The two-level forms across 2 simulated hosts: block r must land on rank r whatever the
-    placement (cyclic: hosts hold ranks 0, 2 and 1, 3), large sizes in pipelined segments."""
+    placement (cyclic: hosts hold ranks 0, 2 and 1, 3), large sizes in pipelined segments; and
+    over the engine's UCX net."""
     from bench.cluster import NetnsCluster, unavailable
     if unavailable():
         pytest.skip(unavailable())
+    if transport == "ucx":
+        from transports import base
+        if base.unavailable_reason("ucx") is not None:
+            pytest.skip(f"ucx: {base.unavailable_reason('ucx')}")
     from harness import Cluster
     with NetnsCluster(2) as hosts:
-        c = Cluster(4, "native", netns=[hosts.ns[h] for h in placement], timeout=180,
+        c = Cluster(4, transport, netns=[hosts.ns[h] for h in placement], timeout=180,
                     env={"MASTER_ADDR": hosts.addr(0), "COMM_TIMEOUT": "60", "COMM_COMPRESS_MIN_BYTES": "0",
                          "COMM_COMPRESS": "on"})
         try:
