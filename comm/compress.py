@@ -3,13 +3,13 @@
     world.all_reduce(grad, compress="bf16")     # or "fp8"; likewise reduce_scatter,
                                                 # all_gather, their v forms and *_init
 
-A layer above the transports. On the native engine (and its UCX / verbs channels) a
-compressed all_reduce, reduce_scatter or all_gather runs inside the engine
-(native/src/twolevel_compress.cc: the same algorithm, its network phase encoding and
+A layer above the transports. On the native engine (and its UCX / verbs channels) every
+compressed collective (all_reduce, reduce_scatter, all_gather, the v forms) runs inside the
+engine (native/src/twolevel_compress.cc: the same algorithm, its network phase encoding and
 decode-adding on the engine's thread, pipelined with the shared-memory phases; async_op=True
 returns a Work that completes later for float32 data; other floats are converted around it);
-the v forms, and everything on other transports, are built from the communicator's own
-collectives (comm/compress_plan.py), so they run on every transport. Formats: "bf16"
+on other transports (mpi) they are built from the communicator's own collectives
+(comm/compress_plan.py), so they run on every transport. Formats: "bf16"
 (float32 / float64 data sent as bfloat16, rounded to nearest even) and "fp8" (e4m3 codes with
 one float32 scale per block of COMM_COMPRESS_BLOCK elements; see native/src/compress.h). Every partial sum is kept in float32 by the receiver.
 
@@ -132,9 +132,9 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
     return _compressed(c, desc, fmt, async_op)
 
 
-# What the transport's engine runs compressed itself (Transport.compressed_wire): the even
-# forms; the v forms run the plan.
-_ENGINE_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER)
+# What the transport's engine runs compressed itself (Transport.compressed_wire).
+_ENGINE_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER_V,
+                 OpKind.ALL_GATHER_V)
 
 
 def _compressed(c, desc: OpDesc, fmt: str, async_op: bool = False):
@@ -207,15 +207,17 @@ class _Probe:
 def _engine_converted(c, desc: OpDesc, fmt: str, block: int) -> None:
     """float64 / float16 / bfloat16 data: converted to float32 workspaces (as the plan does:
     _load applies PREMUL_SUM's factor, the engine AVG's), run in the engine, converted back."""
-    label, n = desc.kind.label, c.size
-    sizes = {OpKind.ALL_REDUCE: (desc.count, desc.count), OpKind.REDUCE_SCATTER: (n * desc.count, desc.count),
-             OpKind.ALL_GATHER: (desc.count, n * desc.count)}[desc.kind]
+    label, mine = desc.kind.label, desc.count
+    whole = sum(desc.recv_counts) if desc.recv_counts is not None else c.size * mine
+    sizes = {OpKind.ALL_REDUCE: (mine, mine), OpKind.REDUCE_SCATTER: (whole, mine),
+             OpKind.REDUCE_SCATTER_V: (whole, mine)}.get(desc.kind, (mine, whole))   # else: gathers
     src, dst = np.empty(sizes[0], np.float32), np.empty(sizes[1], np.float32)
     _load(src, desc.send, 0, sizes[0], desc)
     send = c._buf(src, label, writable=True, what="input")
     recv = c._buf(dst, label, writable=True, what="output")
     op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
-    c._post(OpDesc(desc.kind, send, recv, DType.FLOAT32, desc.count, op, wire=fmt, wire_block=block), False)
+    c._post(replace(desc, send=send, recv=recv, dtype=DType.FLOAT32, op=op, scale=1.0, wire=fmt, wire_block=block),
+            False)
     _store_into(desc.recv.numpy(), 0, dst, desc.dtype)
 
 

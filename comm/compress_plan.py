@@ -2,8 +2,8 @@
 sub-communicators of one communicator's compressed calls, and the phases built from their
 collectives (see comm/compress.py for the whole picture). Nothing here decides whether to
 compress; comm.compress does, and calls Plan.run. A transport that compresses itself
-(Transport.compressed_wire: the native engine) reaches the plan only with the v forms
-(all_gather_v, reduce_scatter_v): all_reduce, reduce_scatter and all_gather run in its engine.
+(Transport.compressed_wire: the native engine) never reaches the plan: every compressed
+collective runs in its engine.
 """
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ class OpDesc:
     send_counts: tuple[int, ...] | None = None
     recv_counts: tuple[int, ...] | None = None
     seq: int = 0
-    # A float32 all_reduce, reduce_scatter or all_gather compressed between hosts by the
+    # A float32 all_reduce, reduce_scatter, all_gather or v form compressed between hosts by the
     # transport itself (comm.compress sets it only where the transport says it can:
     # Transport.compressed_wire): "bf16" or "fp8" with wire_block elements per scale. None:
     # the exact path.

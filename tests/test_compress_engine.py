@@ -1,4 +1,4 @@
-"""The compressed all_reduce, reduce_scatter and all_gather inside the native engine
+"""The compressed all_reduce, reduce_scatter, all_gather and v forms inside the native engine
 (native/src/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank the same
 bits, the README's error bound, NaN and Inf as on the exact path, real asynchronous Work, the
 engine's own validation, and a rank on the exact path beside compressed ones failing instead
@@ -84,8 +84,8 @@ def test_engine_odd_sizes_identical_within_bound(fmt):
 
 
 def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
-    """reduce_scatter and all_gather compressed in the engine against the exact path: counts
-    are each rank's block."""
+    """reduce_scatter, all_gather and their v forms compressed in the engine against the exact
+    path: counts are each rank's block (v forms: rank q's block count + 7q, rank n-2's empty)."""
     import comm
     n, r = world.size, world.rank
     res = {"algorithms": set()}
@@ -127,6 +127,41 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
             # one quantization: half the bound of a sum of one
             over = (np.abs(ag.astype(np.float64) - ys) - 0.5 * bound(fmt, 1, np.abs(ys.astype(np.float64)), bm))[finite]
         res[f"all_gather {count}"] = (identical, specials, float(over.max(initial=-1.0)))
+        # the v forms: blocks of different sizes, one empty (not one whose place a host's
+        # symmetry would hide: rank 2 of 4 holds the cyclic placement's third block)
+        counts = [0 if q == n - 2 else count + 7 * q for q in range(n)]
+        starts = np.cumsum([0] + counts)
+        v = odd_inputs(r, n, int(starts[-1]), seed + 70)
+        vs = np.empty(n * v.size, np.float32)
+        world.all_gather(vs, v)
+        mine = vs.reshape(n, -1)[:, starts[r]:starts[r + 1]]
+        exact, got = np.empty(counts[r], np.float32), np.empty(counts[r], np.float32)
+        world.reduce_scatter_v(exact, v, counts)
+        world.reduce_scatter_v(got, v, counts, compress=fmt, async_op=True).wait()
+        res["algorithms"].add(world._transport._engine.last_algorithm)
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(exact)
+            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
+                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
+            over = (np.abs(got.astype(np.float64) - exact)
+                    - bound(fmt, n, np.abs(mine.astype(np.float64)).sum(axis=0), block_max(mine, block)))[finite]
+        res[f"reduce_scatter_v {count}"] = (True, specials, float(over.max(initial=-1.0)))
+        w = v[:counts[r]]
+        want, agv = np.empty(int(starts[-1]), np.float32), np.empty(int(starts[-1]), np.float32)
+        world.all_gather_v(want, w, counts)
+        world.all_gather_v(agv, w, counts, compress=fmt, async_op=True).wait()
+        res["algorithms"].add(world._transport._engine.last_algorithm)
+        same = np.empty(n * agv.size, np.float32)
+        world.all_gather(same, agv)
+        identical = all(np.array_equal(same[q * agv.size:(q + 1) * agv.size], agv, equal_nan=True) for q in range(n))
+        with np.errstate(invalid="ignore", over="ignore"):
+            finite = np.isfinite(want)
+            specials = (np.array_equal(np.isnan(agv), np.isnan(want))
+                        and np.array_equal(agv[np.isinf(want)], want[np.isinf(want)]))
+            bm = np.concatenate([block_max(want[None, starts[q]:starts[q + 1]], block) for q in range(n)])
+            over = (np.abs(agv.astype(np.float64) - want)
+                    - 0.5 * bound(fmt, 1, np.abs(want.astype(np.float64)), bm))[finite]
+        res[f"all_gather_v {count}"] = (identical, specials, float(over.max(initial=-1.0)))
     # float64 data (converted around the engine), premultiplied
     z = np.random.default_rng(r).standard_normal(n * 1000)
     zs = np.empty(n * z.size)
@@ -157,7 +192,8 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
     wa.wait()
     total = n * (n + 1) / 2
     want_b = np.repeat(10.0 * np.arange(1, n + 1), 4099)
-    res["queued"] = (bool(np.abs(a_out - total).max() <= u * total), bool(np.abs(b_out - want_b).max() <= u * want_b.max()))
+    res["queued"] = (bool(np.abs(a_out - total).max() <= u * total),
+                     bool(np.abs(b_out - want_b).max() <= u * want_b.max()))
     return res
 
 
@@ -220,7 +256,7 @@ def engine_refusals(world) -> list[str]:
 
 def test_engine_refuses_bad_wires_and_mixed_calls_fail():
     results = run_ranks(engine_refusals, 2, env={**FORCE, "COMM_TIMEOUT": "4"})
-    wants = "float32 data in an all_reduce, reduce_scatter or all_gather"
+    wants = "float32 data in an all_reduce, reduce_scatter or all_gather (or a v form)"
     for r, seen in enumerate(results):
         assert wants in seen[0] and wants in seen[2] and wants in seen[6], seen
         assert "SUM, AVG or PREMUL_SUM" in seen[1] and "SUM, AVG or PREMUL_SUM" in seen[5], seen

@@ -39,9 +39,9 @@ class Transport(abc.ABC):
     # comm.elastic then calls ulfm_missing(), revoke(), agree() and shrink() below instead of its
     # own agreement over the store, since only the library can make its next communicator.
     ulfm: ClassVar[bool] = False
-    # True where post() runs a float32 all_reduce, reduce_scatter or all_gather with OpDesc.wire
-    # set compressed itself (the native engine); elsewhere comm.compress builds them from the
-    # transport's collectives.
+    # True where post() runs a float32 all_reduce, reduce_scatter, all_gather or v form with
+    # OpDesc.wire set compressed itself (the native engine); elsewhere comm.compress builds them
+    # from the transport's collectives.
     compressed_wire: ClassVar[bool] = False
 
     rank: int

@@ -217,7 +217,7 @@ class NativeTransport(Transport):
     kinds = frozenset(OpKind)
     devices = frozenset({"cpu"})
     any_source = True
-    compressed_wire = True  # all_reduce, reduce_scatter, all_gather with OpDesc.wire: twolevel_compress.cc
+    compressed_wire = True  # every compressed collective (OpDesc.wire): twolevel_compress.cc
     net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP
 
     @classmethod

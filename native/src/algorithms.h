@@ -117,7 +117,7 @@ bool twolevel_fits(const Comm& c, const Coll& op);
 bool twolevel_shards_fit(const Comm& c, const Coll& op);  // every host holds two or more ranks
 // For every rank, the local position on host h that owns its block (reduce_scatter / all_gather).
 std::vector<int> shard_owners(const Topology& t, int h, int n);
-// twolevel_compress.cc: all_reduce, reduce_scatter or all_gather with a compressed wire
+// twolevel_compress.cc: all_reduce, reduce_scatter, all_gather or a v form with a compressed wire
 // (op.wire, float32 data); returns the name of the form it ran
 const char* compressed_collective(Comm& c, const Coll& op);
 // twolevel_a2a.cc: all_to_all aggregated per host pair

@@ -854,8 +854,8 @@ NB_MODULE(_native, m) {
           nb::arg("wire") = 0, nb::arg("wire_block") = 0, release(),
           "Post one operation (send_bytes / recv_bytes: the sizes of the memory at send / recv, which\n"
           "the engine never reads or writes past); returns a Work, or None when it already ran to\n"
-          "completion. wire: 0 exact, 1 bf16, 2 fp8 (a float32 all_reduce, reduce_scatter or\n"
-          "all_gather compressed between hosts; wire_block: fp8's elements per scale).")
+          "completion. wire: 0 exact, 1 bf16, 2 fp8 (a float32 all_reduce, reduce_scatter,\n"
+          "all_gather or v form compressed between hosts; wire_block: fp8's elements per scale).")
       .def("run_array", &run_array, nb::arg("busy"), nb::arg("kind"), nb::arg("x"), nb::arg("out").none(),
            nb::arg("op").none(), nb::arg("root").none(), nb::arg("counts").none(), nb::arg("timeout_s"),
            "The lean path, under the lock `busy`: None when it ran the collective, LEAN_BUSY\n"

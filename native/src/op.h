@@ -36,7 +36,7 @@ struct OpArgs {
   // Set by Engine::prepare for a persistent collective: the algorithm chosen once.
   AlgorithmFn algo = nullptr;
   const char* algo_name = "";
-  // The wire format of a compressed all_reduce, reduce_scatter or all_gather (comm/compress.py;
+  // The wire format of a compressed all_reduce, reduce_scatter, all_gather or v form (comm/compress.py;
   // twolevel_compress.cc): EXACT for every other operation; fp8's scale block in elements.
   Wire wire = Wire::EXACT;
   uint64_t wire_block = 0;

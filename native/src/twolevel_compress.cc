@@ -357,12 +357,77 @@ class CompressedAllGather final : public TwoLevelPipeline {
   char* packets_ = nullptr;
 };
 
+// The v forms (counts[r] elements in rank r's block, zeros allowed): the same halves, in one
+// segment (the pipelined forms cut one count for every rank). Scales restart at every block.
+// reduce_scatter_v: the input packed [l][h] (block hosts[h][l]), reduced exactly inside the
+// host, then step 1 across hosts into the output; all_gather_v: step 2 across hosts, the
+// packets ([l][h], each its own size) gathered inside the host, every block decoded from them.
+void compressed_v(Comm& c, const Coll& op, bool two_level) {
+  const std::vector<uint64_t>& counts = *op.recv_counts;
+  const CountedBlocks blocks(counts);  // rank r's block in the whole
+  const size_t e = op.elem;
+  const bool reduce = op.kind == OpKind::REDUCE_SCATTER_V;
+  const Topology& t = c.topo;
+  const Group& cross = two_level ? t.cross : c.world;
+  const int hosts = cross.size(), locals = two_level ? t.local.size() : 1;
+  // rank(l, h): the rank of position h of cross group l (flat: l = 0, h the rank)
+  auto rank = [&](int l, int h) { return two_level ? t.hosts[h][l] : h; };
+  const int me_l = two_level ? t.local.me : 0;
+  std::vector<uint64_t> sizes(hosts), item(static_cast<size_t>(locals) * hosts);
+  for (int l = 0; l < locals; l++)
+    for (int h = 0; h < hosts; h++) item[l * hosts + h] = counts[rank(l, h)];
+  for (int h = 0; h < hosts; h++) sizes[h] = item[me_l * hosts + h];
+  std::vector<const char*> rows(hosts, nullptr);
+  std::vector<char*> outs(hosts, nullptr);
+  if (reduce) {
+    const CountedBlocks packed_at(item);  // [l][h] in elements
+    const char* in = op.send;
+    if (two_level) {
+      char* packed = c.scratch(kPackedInput, packed_at.offset(locals * hosts) * e);
+      for (int i = 0; i < locals * hosts; i++)
+        std::memcpy(packed + packed_at.offset(i) * e, op.send + blocks.offset(rank(i / hosts, i % hosts)) * e,
+                    item[i] * e);
+      std::vector<uint64_t> region(locals, 0);
+      for (int i = 0; i < locals * hosts; i++) region[i / hosts] += item[i];
+      Coll all = op;
+      all.send = all.recv = packed;
+      run_steps(c, *ring_reduce_to_blocks_steps(c, t.local, all, CountedBlocks(region),
+                                                c.scratch(0, ring_chunk_bytes(c, e))));
+      in = packed;
+    }
+    for (int h = 0; h < hosts; h++)
+      rows[h] = in + (two_level ? packed_at.offset(me_l * hosts + h) : blocks.offset(h)) * e;
+    outs[cross.me] = op.recv;
+    CompressedExchange x(c, cross, op, rows, outs, sizes, nullptr, true, false);
+    run_steps(c, x);
+    return;
+  }
+  std::vector<uint64_t> bytes;
+  for (uint64_t n : item) bytes.push_back(aligned(wire_bytes(op, n)));
+  const CountedBlocks pk(bytes);  // [l][h] packets
+  char* packets = c.scratch(kFinalPackets, pk.offset(locals * hosts));
+  rows[cross.me] = op.send;
+  for (int h = 0; h < hosts; h++) outs[h] = op.recv + blocks.offset(rank(me_l, h)) * e;
+  CompressedExchange x(c, cross, op, rows, outs, sizes, packets + pk.offset(me_l * hosts), false, true);
+  run_steps(c, x);
+  if (!two_level) return;
+  std::vector<uint64_t> region(locals, 0);
+  for (int i = 0; i < locals * hosts; i++) region[i / hosts] += bytes[i];
+  Coll raw = op;  // the packets, as bytes
+  raw.elem = 1;
+  run_steps(c, *ring_gather_blocks_steps(c, t.local, raw, packets, CountedBlocks(region)));
+  for (int i = 0; i < locals * hosts; i++)
+    if (i / hosts != me_l)
+      decode(op, op.recv + blocks.offset(rank(i / hosts, i % hosts)) * e, packets + pk.offset(i), item[i], false);
+}
+
 }  // namespace
 
 const char* compressed_collective(Comm& c, const Coll& op) {
   // The sharded forms need every host to hold the same ranks (t.cross); see twolevel_all_reduce.
   const bool two_level = c.hierarchical() && c.topo.uniform();
-  if (op.kind == OpKind::REDUCE_SCATTER) CompressedReduceScatter(c, op, two_level).run();
+  if (op.kind == OpKind::REDUCE_SCATTER_V || op.kind == OpKind::ALL_GATHER_V) compressed_v(c, op, two_level);
+  else if (op.kind == OpKind::REDUCE_SCATTER) CompressedReduceScatter(c, op, two_level).run();
   else if (op.kind == OpKind::ALL_GATHER) CompressedAllGather(c, op, two_level).run();
   else CompressedAllReduce(c, op, two_level).run();
   return two_level ? "compressed-twolevel" : "compressed-flat";

@@ -61,11 +61,12 @@ void validate(const OpArgs& a, int rank, int size) {
   if (a.wire != Wire::EXACT) {  // compressed: float32 all_reduce, reduce_scatter, all_gather (twolevel_compress.cc)
     if (static_cast<int>(a.wire) >= static_cast<int>(Wire::COUNT))
       invalid("wire format code " + std::to_string(static_cast<int>(a.wire)) + " is unknown");
-    if ((a.kind != OpKind::ALL_REDUCE && a.kind != OpKind::REDUCE_SCATTER && a.kind != OpKind::ALL_GATHER) ||
-        a.dtype != DType::F32)
-      invalid("a compressed wire format needs float32 data in an all_reduce, reduce_scatter or all_gather");
-    if (a.kind != OpKind::ALL_GATHER && a.op != ReduceOp::SUM && a.op != ReduceOp::AVG &&
-        a.op != ReduceOp::PREMUL_SUM)
+    const bool gathers = a.kind == OpKind::ALL_GATHER || a.kind == OpKind::ALL_GATHER_V;
+    if ((a.kind != OpKind::ALL_REDUCE && a.kind != OpKind::REDUCE_SCATTER && a.kind != OpKind::REDUCE_SCATTER_V &&
+         !gathers) || a.dtype != DType::F32)
+      invalid("a compressed wire format needs float32 data in an all_reduce, reduce_scatter or all_gather "
+              "(or a v form)");
+    if (!gathers && a.op != ReduceOp::SUM && a.op != ReduceOp::AVG && a.op != ReduceOp::PREMUL_SUM)
       invalid("a compressed wire format sums: the op must be SUM, AVG or PREMUL_SUM");
     if (a.wire == Wire::FP8 && (a.wire_block == 0 || a.wire_block > (1u << 24)))
       invalid("the fp8 scale block must hold 1 to 2^24 elements, not " + std::to_string(a.wire_block));
