@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from harness import run_ranks
+from harness import slow as harness_slow
 
 native = pytest.importorskip("comm._native", reason="the native engine is not built")
 
@@ -208,6 +209,23 @@ def two_sizes(world, fmt):
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_compressed_collectives_hold_the_bound_on_four_ranks(fmt):
     for r, res in enumerate(run_ranks(two_sizes, 4, fmt, env=FORCE)):
+        assert res.pop("identical"), f"rank {r}: ranks got different all_reduce results"
+        assert res.pop("input_kept") and res.pop("async")
+        is_f64, over = res.pop("persistent_f64")
+        assert is_f64 and over <= 0, f"rank {r}: float64 persistent all_reduce exceeds the bound by {over}"
+        for name, (specials, over) in res.items():
+            assert specials, f"rank {r}: {name} did not propagate NaN / Inf as the exact path"
+            assert over <= 0, f"rank {r}: {name} exceeds the bound by {over}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", *harness_slow("fp8")])
+def test_plan_on_mpi_holds_the_bound(fmt):
+    """The plan (comm/compress_plan.py): what a transport without a compressing engine runs (mpi
+    under mpirun), with the same guarantees as the engine's forms."""
+    from transports import base
+    if base.unavailable_reason("mpi") is not None:
+        pytest.skip(f"mpi: {base.unavailable_reason('mpi')}")
+    for r, res in enumerate(run_ranks(two_sizes, 4, fmt, transport="mpi", launcher="mpirun", env=FORCE)):
         assert res.pop("identical"), f"rank {r}: ranks got different all_reduce results"
         assert res.pop("input_kept") and res.pop("async")
         is_f64, over = res.pop("persistent_f64")
