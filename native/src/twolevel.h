@@ -38,9 +38,10 @@ class TwoLevelPipeline {
 
   // `bytes`: the size of the whole exchange (an all_reduce's input), which sets the segments;
   // segments start at multiples of `unit` elements.
-  TwoLevelPipeline(Comm& c, const Coll& op, size_t count, size_t bytes, bool has_rs, bool has_ag, size_t unit = 1)
-      : c_(c), op_(op), t_(c.topo), segs_(unit_blocks(count, segments(bytes), unit)), has_rs_(has_rs) {
-    const int p = segments(bytes);
+  TwoLevelPipeline(Comm& c, const Coll& op, size_t count, size_t bytes, bool has_rs, bool has_ag, size_t unit = 1,
+                   size_t most = kMaxSegments)
+      : c_(c), op_(op), t_(c.topo), segs_(unit_blocks(count, segments(bytes, most), unit)), has_rs_(has_rs) {
+    const int p = segments(bytes, most);
     if (has_rs) host_.items.push_back({RS, 0});
     for (int k = 0; k < p; k++) {
       if (has_rs && k + 1 < p) host_.items.push_back({RS, k + 1});
@@ -74,8 +75,8 @@ class TwoLevelPipeline {
   // 1.46, 4 1.42, 8 1.24, 16 1.30 (medians of 3).
   static constexpr size_t kSegmentBytes = 4 << 20;
   static constexpr size_t kMaxSegments = 4;
-  static int segments(size_t bytes) {
-    return static_cast<int>(std::clamp<size_t>(bytes / kSegmentBytes, 1, kMaxSegments));
+  static int segments(size_t bytes, size_t most) {
+    return static_cast<int>(std::clamp<size_t>(bytes / kSegmentBytes, 1, most));
   }
 
   struct Item {
