@@ -12,7 +12,7 @@ import struct
 import threading
 import time
 
-from . import auth, log, rendezvous
+from . import auth, limits, log, rendezvous
 from .gathers import unpack_reply
 from .errors import CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure, from_os_error
 from .store_host import StoreServer
@@ -107,6 +107,10 @@ class Store(KeyValueStore):
         (rendezvous.listen_address); everyone connects to addr:port."""
         server = None
         if rank == 0:
+            # The host keeps a connection from every rank for the job's life (split, shrink
+            # and windows use the store after init).
+            limits.reserve(size, f"a connection from each of the {size} ranks to the rendezvous store "
+                           "this rank hosts", rank=rank, op="init")
             try:
                 bind = bind_addr or rendezvous.listen_address(addr)
             except InvalidArgument as e:

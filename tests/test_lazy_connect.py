@@ -369,6 +369,31 @@ def test_descriptor_limit_too_low_is_named():
     assert "ulimit -n" in text and "file descriptors" in text, text
 
 
+_STORE_HOST = r"""
+import sys, comm
+from comm.store import Store
+try:
+    Store.host_or_connect("127.0.0.1", int(sys.argv[1]), rank=0, size=1000, timeout=5, secret=None)
+    print("no error")
+except comm.CommError as e:
+    print(type(e).__name__, e)
+"""
+
+
+def test_store_host_descriptor_limit_is_named():
+    """Rank 0 hosts the store, which keeps a connection from every rank: a job larger than its
+    `ulimit -n` fails there at once, naming the number, not as a timeout of the ranks that
+    could not be accepted."""
+    import subprocess
+    import sys
+    from harness import ROOT, free_port
+    out = subprocess.run(["prlimit", "--nofile=300:300", sys.executable, "-c", _STORE_HOST, str(free_port())],
+                         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.startswith("CommError"), (out.stdout, out.stderr)
+    assert "ulimit -n" in out.stdout and "1000 ranks" in out.stdout and "rank 0" in out.stdout, out.stdout
+
+
 _MANY_FDS = r"""
 import os, resource, sys, numpy as np, comm
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
