@@ -32,3 +32,16 @@ def reserve(more: int, what: str, *, rank: int, op: str, hint: str = "") -> None
     raise CommError(f"this rank needs about {needed} file descriptors ({what}, {open_now} open already, "
                     f"{MARGIN} spare) but `ulimit -n` allows {soft} and its hard limit {hard}: raise it "
                     f"(ulimit -n {needed} or more{hint})", rank=rank, op=op)
+
+
+def available_memory() -> int | None:
+    """Bytes this host can still give (MemAvailable, plus free huge pages, which it does not
+    count); None where /proc/meminfo is not there to say."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = {k: v.split() for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        kib = int(fields["MemAvailable"][0])
+        huge = int(fields.get("HugePages_Free", ["0"])[0]) * int(fields.get("Hugepagesize", ["0"])[0])
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+    return (kib + huge) * 1024

@@ -138,6 +138,7 @@ class NativeWindow(TransportWindow):
         self._transport, self._rank = transport, transport.rank
         self._timeout = float(transport._ctx.timeout)
         engine = transport._engine
+        failed = None
         try:
             if nbytes is None:
                 self._w = _native.window(engine, mem.ptr, mem.nbytes, signals)
@@ -147,14 +148,25 @@ class NativeWindow(TransportWindow):
                 self.memory = self._w.memory()
                 addr, size = self.memory.ctypes.data, nbytes
         except _native.NativeError as e:
-            raise _convert(e, self._rank, "window") from None
+            failed = _convert(e, self._rank, "window")
         transport._windows += 1
         # The last entry: the net's RMA key (hex; empty where the net has none or was opened
-        # without it, native/src/rma.h).
-        me = [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,
-              self._w.rma_key.hex()]
+        # without it, native/src/rma.h). A rank that could not make its window (no memory)
+        # sends why instead, so that every rank fails now rather than at the timeout.
+        me = {"error": failed.cause} if failed is not None else \
+            [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,
+             self._w.rma_key.hex()]
         infos = [json.loads(v) for v in transport._ctx.store.all_gather(
             f"native/window{transport._windows}", json.dumps(me).encode())]
+        refused = next(((r, i["error"]) for r, i in enumerate(infos) if isinstance(i, dict)), None)
+        if refused is not None:
+            if type(failed) is CommError:   # the system said no (memory): the communicator is fine
+                raise InvalidArgument(failed.cause, rank=self._rank, op="window")
+            if failed is not None:
+                raise failed
+            self._w.close()
+            raise InvalidArgument(f"rank {refused[0]} could not make its window ({refused[1]}); no rank made it",
+                                  rank=self._rank, op="window")
         counts = {i[5] for i in infos}
         if len(counts) > 1:
             self._w.close()
