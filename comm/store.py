@@ -16,6 +16,7 @@ from . import auth, limits, log, rendezvous
 from .gathers import unpack_reply
 from .errors import CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure, from_os_error
 from .store_host import StoreServer
+from .store_process import OWN_PROCESS_FROM, HostProcess
 from .store_wire import (ADD, AGREE, EVERY, EXCLUDED, FD_ERRORS, GATHER, GATHER_HDR, GET, GONE, HDR, JOIN, MAX_KEY, MAX_VALUE,
                          MISMATCH, REFUSED, REPLY, SET, TIMEOUT)
 
@@ -62,7 +63,7 @@ class Store(KeyValueStore):
 
     def __init__(self, addr: str, port: int, *, rank: int, size: int, timeout: float,
                  secret: bytes | None, agree: dict[str, str] | None = None,
-                 server: StoreServer | None = None, hello: dict | None = None):
+                 server: StoreServer | HostProcess | None = None, hello: dict | None = None):
         self.rank, self.size, self.timeout = rank, size, timeout
         self._server = server
         self._prefix = ""
@@ -108,7 +109,8 @@ class Store(KeyValueStore):
         server = None
         if rank == 0:
             # The host keeps a connection from every rank for the job's life (split, shrink
-            # and windows use the store after init).
+            # and windows use the store after init): in this process, or in a child that
+            # inherits the limit raised here.
             limits.reserve(size, f"a connection from each of the {size} ranks to the rendezvous store "
                            "this rank hosts", rank=rank, op="init")
             try:
@@ -128,8 +130,10 @@ class Store(KeyValueStore):
                 raise InvalidArgument(f"cannot listen on {bind}:{port} for the rendezvous at {addr} ({e.strerror}); "
                                       "is the port in use? pick another MASTER_PORT (COMM_BIND_ADDR "
                                       "chooses the address)", rank=rank, op="init") from None
-            server = StoreServer(listener, secret, timeout, size=size, agree=agree or {}, where=f"{addr}:{port}")
-            log.debug(rank, f"store: serving the rendezvous on {bind}:{port}")
+            host = HostProcess if size >= OWN_PROCESS_FROM else StoreServer
+            server = host(listener, secret, timeout, size=size, agree=agree or {}, where=f"{addr}:{port}")
+            log.debug(rank, f"store: serving the rendezvous on {bind}:{port}"
+                            f"{' in a process of its own' if host is HostProcess else ''}")
         try:
             return cls(addr, port, rank=rank, size=size, timeout=timeout, secret=secret, agree=agree,
                        server=server)
