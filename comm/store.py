@@ -130,10 +130,15 @@ class Store(KeyValueStore):
                 raise InvalidArgument(f"cannot listen on {bind}:{port} for the rendezvous at {addr} ({e.strerror}); "
                                       "is the port in use? pick another MASTER_PORT (COMM_BIND_ADDR "
                                       "chooses the address)", rank=rank, op="init") from None
-            host = HostProcess if size >= OWN_PROCESS_FROM else StoreServer
-            server = host(listener, secret, timeout, size=size, agree=agree or {}, where=f"{addr}:{port}")
+            args = dict(size=size, agree=agree or {}, where=f"{addr}:{port}")
+            try:
+                server = HostProcess(listener, secret, timeout, **args) if size >= OWN_PROCESS_FROM else None
+            except OSError as e:   # no interpreter to start (embedded Python): host it here
+                log.debug(rank, f"store: no process of its own for the host ({e}); serving it in this one")
+            if server is None:
+                server = StoreServer(listener, secret, timeout, **args)
             log.debug(rank, f"store: serving the rendezvous on {bind}:{port}"
-                            f"{' in a process of its own' if host is HostProcess else ''}")
+                            f"{' in a process of its own' if isinstance(server, HostProcess) else ''}")
         try:
             return cls(addr, port, rank=rank, size=size, timeout=timeout, secret=secret, agree=agree,
                        server=server)

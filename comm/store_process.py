@@ -28,6 +28,8 @@ class HostProcess:
 
     def __init__(self, listener: socket.socket, secret: bytes | None, timeout: float, *,
                  size: int, agree: dict[str, str], where: str):
+        if not sys.executable:
+            raise OSError("sys.executable is empty: no interpreter to start")
         fd = listener.fileno()
         conf = {"fd": fd, "secret": secret.hex() if secret is not None else None, "timeout": timeout,
                 "size": size, "agree": agree, "where": where}
