@@ -174,7 +174,8 @@ void VerbsChannel::connect(const PortInfo& port, const Address& remote, const Qp
   a.path_mtu = static_cast<ibv_mtu>(std::min(port.mtu, remote.mtu));
   a.dest_qp_num = theirs.qpn;
   a.rq_psn = theirs.psn;
-  a.max_dest_rd_atomic = 1;  // RDMA READs of the peer's windows served at once (> 0 for any)
+  // RDMA READs of the peer's windows served at once (> 0 for any; what our address published).
+  a.max_dest_rd_atomic = responder_resources(dev_->max_qp_rd_atom);
   a.min_rnr_timer = 12;  // 0.64 ms; credits keep receive requests posted, so RNR means trouble
   a.ah_attr.port_num = static_cast<uint8_t>(port.port);
   a.ah_attr.dlid = remote.lid;
@@ -196,7 +197,7 @@ void VerbsChannel::connect(const PortInfo& port, const Address& remote, const Qp
   a.timeout = 14;    // 4.096 us * 2^14 = 67 ms per try
   a.retry_cnt = 7;
   a.rnr_retry = 7;   // infinite: never expected (credits), never fatal
-  a.max_rd_atomic = 1;  // our RDMA READs in flight: at most the peer's max_dest_rd_atomic
+  a.max_rd_atomic = initiator_depth(dev_->max_qp_init_rd_atom, remote.rd_atomic);  // <= its max_dest_rd_atomic
   if (int rc = lib().modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                             IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
     fail(ErrorCode::SYSTEM, peer_, std::string("ibv_modify_qp(RTS): ") + std::strerror(rc));
@@ -378,6 +379,7 @@ class VerbsNet final : public Net {
     a.mtu = port_.mtu;
     a.lid = port_.lid;
     a.gid_index = static_cast<uint8_t>(port_.gid_index);
+    a.rd_atomic = responder_resources(dev_->max_qp_rd_atom);
     std::memcpy(a.gid, port_.gid, 16);
     a.slots = kSlots;
     a.slot_bytes = kSlotBytes;

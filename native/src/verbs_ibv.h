@@ -85,6 +85,8 @@ struct Device {
   Device& operator=(const Device&) = delete;
   ibv_context* ctx = nullptr;
   ibv_pd* pd = nullptr;
+  // RDMA READs a queue pair may serve / issue at once (ibv_query_device; 1 if it cannot say).
+  int max_qp_rd_atom = 1, max_qp_init_rd_atom = 1;
   explicit Device(const std::string& name) {
     DeviceList devices;
     for (int d = 0; d < devices.n && !ctx; d++)
@@ -94,6 +96,11 @@ struct Device {
     if (!pd) {
       lib().close_device(ctx);
       fail_errno("ibv_alloc_pd");
+    }
+    ibv_device_attr attr{};
+    if (lib().query_device(ctx, &attr) == 0) {
+      max_qp_rd_atom = attr.max_qp_rd_atom;
+      max_qp_init_rd_atom = attr.max_qp_init_rd_atom;
     }
   }
   ~Device() {
