@@ -227,6 +227,8 @@ void VerbsRmaWindow::on_completion(int peer, const ibv_wc& wc) {
 }
 
 void VerbsRmaWindow::flush(int peer, const RmaWait& wait) {
+  if (peer < -1 || peer >= static_cast<int>(hub_->qps.size()))
+    fail(ErrorCode::INVALID_ARGUMENT, -1, "flush: no rank " + std::to_string(peer));
   auto pending = [&] { return !closed_ && !hub_->released && tracker_.in_flight(peer) > 0; };
   {
     Lock lock(hub_->mu);
@@ -251,6 +253,8 @@ void VerbsRmaWindow::flush(int peer, const RmaWait& wait) {
 }
 
 bool VerbsRmaWindow::flushed(int peer) {
+  if (peer < -1 || peer >= static_cast<int>(hub_->qps.size()))
+    fail(ErrorCode::INVALID_ARGUMENT, -1, "flush: no rank " + std::to_string(peer));
   Lock lock(hub_->mu);
   return tracker_.in_flight(peer) == 0 && !tracker_.has_error(peer);
 }
