@@ -232,7 +232,12 @@ bool Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);
   if (rma(peer)) {
-    rma_->get(peer, to, len, offset);
+    try {
+      rma_->get(peer, to, len, offset, rma_wait(c_.opt.timeout_s));
+    } catch (const CommError&) {
+      c_.check_alive();  // a peer that died says so, rather than the fabric's error
+      throw;
+    }
     return false;
   }
   p2p_.post_window(peer, kWinGet, peers_[peer].id, offset, to, len, -1);
