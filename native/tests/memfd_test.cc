@@ -40,6 +40,12 @@ CommError error_of(F f) {
 
 static bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+static int open_fds() {
+  int n = 0;
+  for (int fd = 0; fd < 1024; fd++) n += fcntl(fd, F_GETFD) != -1;
+  return n;
+}
+
 static void creation() {
   MemfdOptions o;
   o.reserve = true;
@@ -77,6 +83,28 @@ static void creation() {
   const CommError e = error_of([] { create_memfd("comm-test", 4096, MemfdOptions{~0u & ~MFD_CLOEXEC, false, false}, "allocating X"); });
   CHECK(e.code == ErrorCode::SYSTEM);
   CHECK(has(e.msg, "allocating X: memfd_create: ") && has(e.msg, std::strerror(EINVAL)));
+
+  // A step after memfd_create fails (a sparse 4 EiB file maps nowhere): the descriptor is
+  // closed again.
+  const int fds = open_fds();
+  const CommError big = error_of([] { create_memfd("comm-test", size_t{1} << 62, MemfdOptions{}, "allocating Y"); });
+  CHECK(big.code == ErrorCode::SYSTEM && has(big.msg, "allocating Y: mmap: " + std::string(std::strerror(ENOMEM))));
+  CHECK(open_fds() == fds);
+
+  // Huge pages: a whole page where the host has a pool of them; else a failure that names
+  // its call (fallocate, or mmap) and leaves nothing open, so the caller falls back.
+  MemfdOptions huge;
+  huge.flags = MFD_HUGETLB;
+  huge.reserve = true;
+  failed = nullptr;
+  Memfd h = try_create_memfd("comm-test", 2 << 20, huge, &failed);
+  if (h.fd >= 0) {
+    CHECK(h.bytes == (2 << 20) && h.base[0] == 0);
+    release_memfd(h);
+  } else {
+    CHECK(failed != nullptr && h.base == nullptr);
+  }
+  CHECK(open_fds() == fds);
 }
 
 // A child process maps the parent's segment, as a local peer does: both see each other's bytes.
