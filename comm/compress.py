@@ -49,7 +49,8 @@ import numpy as np
 
 from . import config, log
 from .errors import CommError, TransportUnavailable
-from .compress_plan import FORMAT_CLASSES, Plan, _load, _native, _store_into, two_level
+from .compress_data import kernels, load_float32, store_float32
+from .compress_plan import FORMAT_CLASSES, Plan, two_level
 from .ops import OpDesc, OpKind
 from .types import DType, ReduceOp
 from .work import Work
@@ -62,7 +63,7 @@ _DATA = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
 # ---- the decision -----------------------------------------------------------------------------
 def check(c, label: str, fmt, desc: OpDesc) -> None:
     """Refuse, with InvalidArgument, what no compressed form exists for."""
-    if _native is None:
+    if kernels is None:
         raise TransportUnavailable(f"compress={fmt!r} needs the native engine's kernels, which were not built",
                                    rank=c.rank, op=label)
     if fmt not in FORMATS:
@@ -139,14 +140,14 @@ def _compressed(c, desc: OpDesc, fmt: str, async_op: bool = False):
         if desc.dtype is DType.FLOAT32:
             return c._post(replace(desc, wire=fmt, wire_block=block), async_op)
         # other floats: summed as float32 in a workspace, converted back (as the plan does);
-        # _load applies PREMUL_SUM's factor, the engine AVG's
+        # load_float32 applies PREMUL_SUM's factor, the engine AVG's
         work = np.empty(desc.count, np.float32)
-        _load(work, desc.send, 0, desc.count, desc)
+        load_float32(work, desc.send, 0, desc.count, desc)
         buf = c._buf(work, label, writable=True, what="input")
         op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
         c._post(OpDesc(OpKind.ALL_REDUCE, buf, buf, DType.FLOAT32, desc.count, op, wire=fmt, wire_block=block),
                 False)
-        _store_into(desc.recv.numpy(), 0, work, desc.dtype)
+        store_float32(desc.recv.numpy(), 0, work, desc.dtype)
         return Work(c, _Ran(), label, None) if async_op else None
     if c._failure is not None or c._closed:
         c._refuse(label)
