@@ -5,7 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
+#include <cstdio>
 #include <cstring>
 
 namespace comm {
@@ -23,6 +26,38 @@ char* map_shared(int fd, size_t bytes, bool populate) {
   return static_cast<char*>(p);
 }
 
+// MemAvailable of /proc/meminfo in bytes; SIZE_MAX where it cannot be read.
+size_t available_bytes() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return SIZE_MAX;
+  char line[128];
+  size_t kib = SIZE_MAX;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemAvailable: %zu kB", &kib) == 1) break;
+  std::fclose(f);
+  return kib == SIZE_MAX ? kib : kib * 1024;
+}
+
+// Shared memory is not overcommitted, and a fallocate past what the host has does not fail:
+// the kernel's OOM killer takes some process instead (ours or any other). Large segments are
+// reserved a step at a time while the host keeps a floor free, so ranks of a host that each
+// ask for a fair share at once get ENOMEM, not the OOM killer. Huge pages come from their own
+// pool, whose end fallocate reports itself (ENOSPC).
+int reserve_pages(int fd, size_t bytes, unsigned flags) {
+  constexpr size_t kStep = size_t{1} << 30, kFloor = size_t{512} << 20;
+  if (bytes <= kStep || (flags & MFD_HUGETLB)) return fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+  for (size_t done = 0; done < bytes; done += kStep) {
+    const size_t step = std::min(kStep, bytes - done);
+    const size_t have = available_bytes();
+    if (have != SIZE_MAX && have < step + kFloor) {
+      errno = ENOMEM;
+      return -1;
+    }
+    if (fallocate(fd, 0, static_cast<off_t>(done), static_cast<off_t>(step)) != 0) return -1;
+  }
+  return 0;
+}
+
 void close_keeping_errno(int fd) {
   const int err = errno;
   ::close(fd);
@@ -38,7 +73,7 @@ Memfd try_create_memfd(const char* name, size_t bytes, const MemfdOptions& o, co
   if (fd < 0) call = "memfd_create";
   else if (fchmod(fd, 0600) != 0) call = "fchmod";
   else if (ftruncate(fd, static_cast<off_t>(bytes)) != 0) call = "ftruncate";
-  else if (o.reserve && fallocate(fd, 0, 0, static_cast<off_t>(bytes)) != 0 && errno != EOPNOTSUPP) call = "fallocate";
+  else if (o.reserve && reserve_pages(fd, bytes, o.flags) != 0 && errno != EOPNOTSUPP) call = "fallocate";
   else if ((m.base = map_shared(fd, bytes, o.populate)) == nullptr) call = "mmap";
   if (call) {
     if (fd >= 0) close_keeping_errno(fd);
