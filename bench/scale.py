@@ -225,7 +225,8 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
     for r in results:
         for kind, w in r["wrong"].items():
             kinds[kind] = kinds.get(kind, 0) + w
-    # rank 0 hosts the rendezvous store (as torch's TCPStore): one socket per rank, its own column
+    # below comm.store_process.OWN_PROCESS_FROM ranks, rank 0's process hosts the rendezvous
+    # store (as torch's TCPStore): one socket per rank, its own column
     others = [r for r in results if r["rank"] != 0] or results
     row.update(start_s=worst["start_s"], init_s=worst["ready_s"],
                init_median_s=statistics.median(r["ready_s"] for r in results),

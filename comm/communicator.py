@@ -20,7 +20,7 @@ import weakref
 
 import numpy as np
 
-from . import auth, config, elastic, log, rendezvous, vcollectives
+from . import auth, config, elastic, limits, log, rendezvous, vcollectives
 from . import compress as compression
 from .buffers import Buffer, as_buffer
 from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
@@ -650,27 +650,22 @@ class Communicator:
         rank (comm.window.Window). `buf` is this rank's window: an array (host memory) to
         expose, or an int, a number of bytes the library allocates (as MPI_Win_allocate: the
         ranks of a host map each other's, so a put between them is a memcpy; w.buffer is the
-        memory, zeroed). Sizes may differ per rank, 0 bytes too; ranks may mix both forms."""
+        memory, zeroed). Sizes may differ per rank, 0 bytes too; ranks may mix both forms.
+        Arguments one rank refuses are every rank's InvalidArgument, at once."""
         name = "window"
-        nbytes = None
-        if isinstance(buf, (bool, np.bool_)) or isinstance(buf, (float, np.floating)):
-            raise self._error(name, f"nbytes={buf!r} must be an int (or pass an array to expose)")
-        if isinstance(buf, (int, np.integer)):
-            nbytes = int(buf)
-            if nbytes < 0:
-                raise self._error(name, f"nbytes={buf!r} must not be negative")
-        else:
-            mem = self._buf(buf, name, writable=True, what="window")
-            if mem.device != "cpu":
-                raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
-        try:
-            count = _integer(signals)
-        except TypeError:
-            count = -1
-        if not 0 <= count <= MAX_SIGNALS:
-            raise self._error(name, f"signals={signals!r} must be an integer in [0, {MAX_SIGNALS}]")
         if self._failure is not None or self._closed:
             self._refuse(name)
+        nbytes, mem, count, cause = None, None, -1, None
+        try:
+            nbytes, mem = self._window_memory(buf, name)
+            count = _integer(signals)
+        except InvalidArgument as e:
+            cause = e.cause
+        except TypeError:
+            pass
+        if cause is None and not 0 <= count <= MAX_SIGNALS:
+            cause = f"signals={signals!r} must be an integer in [0, {MAX_SIGNALS}]"
+        self._agree_arguments(name, cause)
         if not self._busy.acquire(False):
             raise self._overlap(name)
         try:
@@ -686,6 +681,39 @@ class Communicator:
         finally:
             self._busy.release()
         return Window(self, tw, mem, count)
+
+    def _window_memory(self, buf, name: str) -> tuple[int | None, Buffer | None]:
+        """(nbytes, None) for memory the library allocates, (None, buffer) for an array."""
+        if isinstance(buf, (bool, np.bool_)) or isinstance(buf, (float, np.floating)):
+            raise self._error(name, f"nbytes={buf!r} must be an int (or pass an array to expose)")
+        if isinstance(buf, (int, np.integer)):
+            nbytes = int(buf)
+            if nbytes < 0:
+                raise self._error(name, f"nbytes={buf!r} must not be negative")
+            # Shared memory is not overcommitted: pages past what the host has would bring
+            # the kernel's OOM killer onto whatever process it picks, not fail this call.
+            have = limits.available_memory()
+            if have is not None and nbytes > have:
+                raise self._error(name, f"nbytes={nbytes} is more than this host's available memory "
+                                        f"({have} bytes: MemAvailable and free huge pages)")
+            return nbytes, None
+        mem = self._buf(buf, name, writable=True, what="window")
+        if mem.device != "cpu":
+            raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
+        return None, mem
+
+    def _agree_arguments(self, op: str, cause: str | None) -> None:
+        """Collective, for set-up calls whose ranks pass different arguments (windows): a rank
+        that refuses its own makes every rank raise, rather than leave the others waiting in
+        the exchange until the timeout. One 8-byte all_reduce."""
+        first = np.array([self.rank if cause else self.size], np.int64)
+        if self.size > 1:
+            self.all_reduce(first, ReduceOp.MIN)
+        if cause is not None:
+            raise self._error(op, cause)
+        if first[0] < self.size:
+            raise self._error(op, f"rank {int(first[0])} refused its arguments (its own error says why); "
+                                  "no rank made the window")
 
     # ---- groups and lifetime -----------------------------------------------------------------
     def split(self, color: int | None, key: int | None = None) -> "Communicator | None":

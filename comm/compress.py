@@ -51,7 +51,8 @@ import numpy as np
 
 from . import config, log
 from .errors import CommError, TransportUnavailable
-from .compress_plan import FORMAT_CLASSES, Plan, _load, _native, _store_into, two_level
+from .compress_data import kernels, load_float32, store_float32
+from .compress_plan import FORMAT_CLASSES, Plan, two_level
 from .ops import OpDesc, OpKind
 from .types import DType, ReduceOp
 from .work import Work
@@ -64,7 +65,7 @@ _DATA = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
 # ---- the decision -----------------------------------------------------------------------------
 def check(c, label: str, fmt, desc: OpDesc) -> None:
     """Refuse, with InvalidArgument, what no compressed form exists for."""
-    if _native is None:
+    if kernels is None:
         raise TransportUnavailable(f"compress={fmt!r} needs the native engine's kernels, which were not built",
                                    rank=c.rank, op=label)
     if fmt not in FORMATS:
@@ -206,19 +207,20 @@ class _Probe:
 
 def _engine_converted(c, desc: OpDesc, fmt: str, block: int) -> None:
     """float64 / float16 / bfloat16 data: converted to float32 workspaces (as the plan does:
-    _load applies PREMUL_SUM's factor, the engine AVG's), run in the engine, converted back."""
+    load_float32 applies PREMUL_SUM's factor, the engine AVG's), run in the engine, converted
+    back."""
     label, mine = desc.kind.label, desc.count
     whole = sum(desc.recv_counts) if desc.recv_counts is not None else c.size * mine
     sizes = {OpKind.ALL_REDUCE: (mine, mine), OpKind.REDUCE_SCATTER: (whole, mine),
              OpKind.REDUCE_SCATTER_V: (whole, mine)}.get(desc.kind, (mine, whole))   # else: gathers
     src, dst = np.empty(sizes[0], np.float32), np.empty(sizes[1], np.float32)
-    _load(src, desc.send, 0, sizes[0], desc)
+    load_float32(src, desc.send, 0, sizes[0], desc)
     send = c._buf(src, label, writable=True, what="input")
     recv = c._buf(dst, label, writable=True, what="output")
     op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
     c._post(replace(desc, send=send, recv=recv, dtype=DType.FLOAT32, op=op, scale=1.0, wire=fmt, wire_block=block),
             False)
-    _store_into(desc.recv.numpy(), 0, dst, desc.dtype)
+    store_float32(desc.recv.numpy(), 0, dst, desc.dtype)
 
 
 def desc_bits(desc: OpDesc) -> int:

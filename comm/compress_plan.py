@@ -12,13 +12,9 @@ import threading
 
 import numpy as np
 
+from .compress_data import kernels, load_float32, store_float32
 from .ops import OpDesc, OpKind
 from .types import DType, ReduceOp
-
-try:   # the kernels are the engine's; without it the other transports still run, uncompressed
-    from . import _native
-except ImportError:
-    _native = None
 
 # A large all_reduce (and a flat reduce_scatter / all_gather) runs in segments of about this
 # many bytes (at most _SEGMENTS of them), so the shared-memory phases of one overlap the
@@ -39,10 +35,10 @@ class _Bf16:
         return 2 * n
 
     def encode(self, src: np.ndarray, dst: np.ndarray) -> None:
-        _native.compress_to_bf16(src.ctypes.data, dst.ctypes.data, src.size)
+        kernels.compress_to_bf16(src.ctypes.data, dst.ctypes.data, src.size)
 
     def add(self, acc: np.ndarray, src: np.ndarray, accumulate: bool) -> None:
-        _native.compress_bf16_add(acc.ctypes.data, src.ctypes.data, acc.size, accumulate)
+        kernels.compress_bf16_add(acc.ctypes.data, src.ctypes.data, acc.size, accumulate)
 
 
 class _Fp8:
@@ -58,11 +54,11 @@ class _Fp8:
 
     def encode(self, src: np.ndarray, dst: np.ndarray) -> None:
         n = src.size
-        _native.compress_to_fp8(src.ctypes.data, dst.ctypes.data, dst.ctypes.data + n, n, self.block)
+        kernels.compress_to_fp8(src.ctypes.data, dst.ctypes.data, dst.ctypes.data + n, n, self.block)
 
     def add(self, acc: np.ndarray, src: np.ndarray, accumulate: bool) -> None:
         n = acc.size
-        _native.compress_fp8_add(acc.ctypes.data, src.ctypes.data, src.ctypes.data + n, n, self.block,
+        kernels.compress_fp8_add(acc.ctypes.data, src.ctypes.data, src.ctypes.data + n, n, self.block,
                                  accumulate)
 
 
@@ -147,7 +143,7 @@ class Plan:
                 work *= np.float32(desc.scale)
         else:
             work = self.space("work", total, np.float32)
-            _load(work, desc.send, 0, count, desc)
+            load_float32(work, desc.send, 0, count, desc)
         self._pipelined(work, chunk, segments, f)
         _store(desc.recv, work[:count], desc, self.c.size)
 
@@ -222,7 +218,7 @@ class Plan:
             work = self.space("work", block * n, np.float32)
             starts = np.cumsum((0,) + tuple(counts))
             for slot, rank in enumerate(self.order):   # the two-level layout: [local pos][host]
-                _load(work[slot * block:(slot + 1) * block], desc.send, starts[rank], counts[rank], desc)
+                load_float32(work[slot * block:(slot + 1) * block], desc.send, starts[rank], counts[rank], desc)
         hosts = self.cross.size
         part = work
         if self.two_level:
@@ -243,7 +239,7 @@ class Plan:
             mine = desc.send.numpy()
         else:
             mine = self.space("mine", block, np.float32)
-            _load(mine, desc.send, 0, counts[self.c.rank], desc)
+            load_float32(mine, desc.send, 0, counts[self.c.rank], desc)
         hosts = self.cross.size
         gathered = desc.recv.numpy() if plain else self.space("shard", block * hosts, np.float32)
         rows, seg = gathered.reshape(hosts, block), block // segments
@@ -258,7 +254,7 @@ class Plan:
         out = desc.recv.numpy()
         starts = np.cumsum((0,) + tuple(counts))
         for slot, rank in enumerate(self.order):
-            _store_into(out, starts[rank], work[slot * block:slot * block + counts[rank]], desc.dtype)
+            store_float32(out, starts[rank], work[slot * block:slot * block + counts[rank]], desc.dtype)
 
     # ---- the compressed phases, among `cross` (one rank per host, or every rank) ------------
     def cross_all_reduce(self, shard: np.ndarray, chunk: int, f, lane: int = 0) -> None:
@@ -339,33 +335,7 @@ def _round_up(n: int, unit: int) -> int:
     return max(unit, -(-n // unit) * unit)
 
 
-def _as_f32(buf_np: np.ndarray, dtype: DType) -> np.ndarray:
-    if dtype is DType.BFLOAT16:
-        return (buf_np.astype(np.uint32) << 16).view(np.float32)
-    return buf_np.astype(np.float32, copy=False)
-
-
-def _load(dst: np.ndarray, src, start: int, count: int, desc: OpDesc) -> None:
-    """dst[:count] = float32 of src's elements [start, start + count), premultiplied for
-    PREMUL_SUM; the rest of dst (padding) zero."""
-    data = src.numpy()[start:start + count]
-    dst[:count] = _as_f32(data, desc.dtype)
-    dst[count:] = 0
-    if desc.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V) \
-            and desc.op is ReduceOp.PREMUL_SUM and desc.scale != 1.0:
-        dst[:count] *= np.float32(desc.scale)
-
-
 def _store(recv, result: np.ndarray, desc: OpDesc, size: int) -> None:
     if desc.op is ReduceOp.AVG:
         result *= np.float32(1.0 / size)
-    _store_into(recv.numpy(), 0, result, desc.dtype)
-
-
-def _store_into(out: np.ndarray, start: int, values: np.ndarray, dtype: DType) -> None:
-    if dtype is DType.BFLOAT16:   # round to nearest even, as the engine's bf16 results
-        packed = np.empty(values.size, np.uint16)
-        _native.compress_to_bf16(np.ascontiguousarray(values).ctypes.data, packed.ctypes.data, values.size)
-        out[start:start + values.size] = packed
-    elif values.size and out[start:].ctypes.data != values.ctypes.data:   # else: computed in place
-        out[start:start + values.size] = values
+    store_float32(recv.numpy(), 0, result, desc.dtype)

@@ -12,10 +12,11 @@ import struct
 import threading
 import time
 
-from . import auth, log, rendezvous
+from . import auth, limits, log, rendezvous
 from .gathers import unpack_reply
 from .errors import CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure, from_os_error
 from .store_host import StoreServer
+from .store_process import OWN_PROCESS_FROM, HostProcess
 from .store_wire import (ADD, AGREE, EVERY, EXCLUDED, FD_ERRORS, GATHER, GATHER_HDR, GET, GONE, HDR, JOIN, MAX_KEY, MAX_VALUE,
                          MISMATCH, REFUSED, REPLY, SET, TIMEOUT)
 
@@ -62,7 +63,7 @@ class Store(KeyValueStore):
 
     def __init__(self, addr: str, port: int, *, rank: int, size: int, timeout: float,
                  secret: bytes | None, agree: dict[str, str] | None = None,
-                 server: StoreServer | None = None, hello: dict | None = None):
+                 server: StoreServer | HostProcess | None = None, hello: dict | None = None):
         self.rank, self.size, self.timeout = rank, size, timeout
         self._server = server
         self._prefix = ""
@@ -107,6 +108,11 @@ class Store(KeyValueStore):
         (rendezvous.listen_address); everyone connects to addr:port."""
         server = None
         if rank == 0:
+            # The host keeps a connection from every rank for the job's life (split, shrink
+            # and windows use the store after init): in this process, or in a child that
+            # inherits the limit raised here.
+            limits.reserve(size, f"a connection from each of the {size} ranks to the rendezvous store "
+                           "this rank hosts", rank=rank, op="init")
             try:
                 bind = bind_addr or rendezvous.listen_address(addr)
             except InvalidArgument as e:
@@ -124,8 +130,15 @@ class Store(KeyValueStore):
                 raise InvalidArgument(f"cannot listen on {bind}:{port} for the rendezvous at {addr} ({e.strerror}); "
                                       "is the port in use? pick another MASTER_PORT (COMM_BIND_ADDR "
                                       "chooses the address)", rank=rank, op="init") from None
-            server = StoreServer(listener, secret, timeout, size=size, agree=agree or {}, where=f"{addr}:{port}")
-            log.debug(rank, f"store: serving the rendezvous on {bind}:{port}")
+            args = dict(size=size, agree=agree or {}, where=f"{addr}:{port}")
+            try:
+                server = HostProcess(listener, secret, timeout, **args) if size >= OWN_PROCESS_FROM else None
+            except OSError as e:   # no interpreter to start (embedded Python): host it here
+                log.debug(rank, f"store: no process of its own for the host ({e}); serving it in this one")
+            if server is None:
+                server = StoreServer(listener, secret, timeout, **args)
+            log.debug(rank, f"store: serving the rendezvous on {bind}:{port}"
+                            f"{' in a process of its own' if isinstance(server, HostProcess) else ''}")
         try:
             return cls(addr, port, rank=rank, size=size, timeout=timeout, secret=secret, agree=agree,
                        server=server)

@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from harness import Cluster
+from harness import Cluster, leftover_dirs
 from reference import HAVE_TORCH
 
 
@@ -16,6 +16,20 @@ def pytest_collection_modifyitems(config, items):
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [i for i in items if not i.get_closest_marker("slow")]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every Cluster removes its control directory once its ranks have started (harness.py):
+    one left over means a path around that, and a full run would leave dozens in /tmp."""
+    if leftover_dirs():
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    left = leftover_dirs()
+    if left:
+        terminalreporter.section("test cluster directories left behind", red=True)
+        terminalreporter.write_line(f"{len(left)}, e.g. {left[:3]}: the run fails (tests/conftest.py)")
 
 
 def pytest_report_header():

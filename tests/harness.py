@@ -28,6 +28,16 @@ from comm.rendezvous import free_port  # noqa: F401  (the tests' way to pick a p
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
+# Each Cluster's control socket lives in a directory of its own, named so, while its ranks start.
+DIR_PREFIX = "comm-test-"
+_created_dirs: list[str] = []
+
+
+def leftover_dirs() -> list[str]:
+    """The control directories this process created that still exist (Cluster removes each
+    once its ranks have connected: tests/conftest.py checks at the end of the session)."""
+    return [d for d in _created_dirs if os.path.exists(d)]
+
 
 # The CPU transports the cross-transport tests run, and how their ranks are launched.
 LAUNCHERS = {"native": "spawn", "mpi": "mpirun", "ucx": "spawn", "verbs": "spawn"}
@@ -130,40 +140,44 @@ class Cluster:
     def _start(self, env, init, timeout, netns, wrap) -> None:
         n = self.n
         self.broken = False
-        # a filesystem Unix socket: reachable from ranks in other network namespaces too
-        self._dir = tempfile.mkdtemp(prefix="comm-test-")
-        control = os.path.join(self._dir, "control")
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(control)
-        self._listener.listen(n)
-        base = dict(os.environ)
-        base.update({"COMM_TEST_CONTROL": control, "COMM_TEST_TRANSPORT": self.transport,
-                     "COMM_TEST_INIT": "1" if init else "0",
-                     "PYTHONPATH": os.pathsep.join([HERE, ROOT, base.get("PYTHONPATH", "")]),
-                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-        base.setdefault("COMM_TIMEOUT", "60")
-        base.update(env or {})
-        worker = [sys.executable, os.path.join(HERE, "rank_worker.py")]
         self.procs: list[subprocess.Popen] = []
-        if self.launcher == "mpirun":
-            if mpirun() is None:
-                raise RuntimeError("mpirun not found")
-            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-                base.pop(k, None)  # under mpirun the library must find its own way
-            cmd = [mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                   "-np", str(n)] + worker
-            self.procs.append(subprocess.Popen(cmd, env=base, start_new_session=True))
-        else:
-            for r in range(n):
-                env_r = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
-                # rank r runs in network namespace netns[r], under the command wrap[r]
-                prefix = (["ip", "netns", "exec", netns[r]] if netns else []) + (wrap[r] if wrap else [])
-                self.procs.append(subprocess.Popen(prefix + worker, env=env_r, start_new_session=True))
         self.conns: list[socket.socket | None] = [None] * n
-        self._listener.settimeout(timeout)
+        # A filesystem Unix socket: reachable from ranks in other network namespaces too. Only
+        # the start uses it (each rank connects once), so it and its directory are removed as
+        # soon as the ranks have connected and started, or the start failed: however it ends
+        # (kill() without close(), the test process killed later), no directory is left.
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
+        _created_dirs.append(self._dir)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            control = os.path.join(self._dir, "control")
+            listener.bind(control)
+            listener.listen(n)
+            base = dict(os.environ)
+            base.update({"COMM_TEST_CONTROL": control, "COMM_TEST_TRANSPORT": self.transport,
+                         "COMM_TEST_INIT": "1" if init else "0",
+                         "PYTHONPATH": os.pathsep.join([HERE, ROOT, base.get("PYTHONPATH", "")]),
+                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+            base.setdefault("COMM_TIMEOUT", "60")
+            base.update(env or {})
+            worker = [sys.executable, os.path.join(HERE, "rank_worker.py")]
+            if self.launcher == "mpirun":
+                if mpirun() is None:
+                    raise RuntimeError("mpirun not found")
+                for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                    base.pop(k, None)  # under mpirun the library must find its own way
+                cmd = [mpirun(), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                       "-np", str(n)] + worker
+                self.procs.append(subprocess.Popen(cmd, env=base, start_new_session=True))
+            else:
+                for r in range(n):
+                    env_r = dict(base, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r))
+                    # rank r runs in network namespace netns[r], under the command wrap[r]
+                    prefix = (["ip", "netns", "exec", netns[r]] if netns else []) + (wrap[r] if wrap else [])
+                    self.procs.append(subprocess.Popen(prefix + worker, env=env_r, start_new_session=True))
+            listener.settimeout(timeout)
             for _ in range(n):
-                conn, _ = self._listener.accept()
+                conn, _ = listener.accept()
                 rank = _recv(conn)
                 self.conns[rank] = conn
             failures = self._await_ready(timeout)
@@ -171,6 +185,9 @@ class Cluster:
             self.kill()
             self.close()
             raise
+        finally:
+            listener.close()
+            shutil.rmtree(self._dir, ignore_errors=True)
         if failures:
             self.kill()
             self.close()
@@ -275,8 +292,6 @@ class Cluster:
         for conn in self.conns:
             if conn is not None:
                 conn.close()
-        self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def assert_no_problems(per_rank) -> None:

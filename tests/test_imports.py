@@ -19,7 +19,7 @@ PACKAGES = ("comm", "transports", "bench")
 
 # The bottom layer: what every transport may use to describe operations and to bootstrap.
 VOCABULARY = {"comm.errors", "comm.types", "comm.ops", "comm.buffers", "comm.config", "comm.gpu", "comm.work",
-              "comm.log", "comm.auth", "comm.store", "comm.store_host", "comm.store_wire", "comm.gathers", "comm.agreement", "comm.rendezvous", "comm.topology",
+              "comm.log", "comm.limits", "comm.auth", "comm.store", "comm.store_host", "comm.store_process", "comm.store_wire", "comm.gathers", "comm.agreement", "comm.rendezvous", "comm.topology",
               "comm._native"}
 LAYERS = ("vocabulary", "transports", "comm", "bench")   # each may import its own and those before it
 

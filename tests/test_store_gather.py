@@ -227,3 +227,77 @@ def test_host_closing_answers_the_waiting(host):
     assert isinstance(res, CommError) and time.monotonic() - started < 10, res
     for s in stores:
         s.close()
+
+
+_HOST_OF_MANY = r"""
+import os, sys
+from comm.store import Store
+host = Store.host_or_connect("127.0.0.1", int(sys.argv[1]), rank=0, size=int(sys.argv[2]), timeout=20,
+                             secret=b"s" * 16)
+print(len(os.listdir("/proc/self/fd")), flush=True)
+print(b"|".join(host.all_gather("k", b"0")).decode(), flush=True)
+sys.stdin.readline()
+if sys.argv[3] == "close":
+    host.close()
+    print("closed", flush=True)
+else:
+    os._exit(0)   # rank 0 gone without closing anything: the host must go with it
+"""
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie (ended; its new parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("end", ["close", "exit"])
+def test_host_of_many_ranks_in_its_own_process(end):
+    """From OWN_PROCESS_FROM ranks the store's host is a child of rank 0: rank 0 holds no
+    connection per rank, the store works, and the child ends with rank 0 (closed or gone)."""
+    import os
+    import subprocess
+    import sys
+    from harness import ROOT, free_port
+    from comm.store_process import OWN_PROCESS_FROM
+    size, port = OWN_PROCESS_FROM, free_port()
+    rank0 = subprocess.Popen([sys.executable, "-c", _HOST_OF_MANY, str(port), str(size), end],
+                             env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        stores = [None] * size
+
+        def one(r):
+            stores[r] = Store("127.0.0.1", port, rank=r, size=size, timeout=20, secret=b"s" * 16)
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(1, size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        fds = int(rank0.stdout.readline())
+        assert fds < size, f"rank 0 holds {fds} descriptors: the connections are its own"
+        got = _each(stores[1:], lambda r, s: s.all_gather("k", str(r + 1).encode()))
+        want = "|".join(map(str, range(size)))
+        assert rank0.stdout.readline().strip() == want
+        assert all(b"|".join(g).decode() == want for g in got), got
+        children = subprocess.run(["pgrep", "-P", str(rank0.pid)], capture_output=True, text=True).stdout.split()
+        assert len(children) == 1, children
+        rank0.stdin.write("go\n")
+        rank0.stdin.flush()
+        if end == "close":
+            assert rank0.stdout.readline() == "closed\n"
+        assert rank0.wait(30) == 0
+        deadline = time.monotonic() + 10
+        while not _ended(int(children[0])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _ended(int(children[0])), "the store's host outlived rank 0"
+        with pytest.raises(CommError):
+            stores[1].get("k/0", timeout=2)   # the host is gone: StoreLost
+        for s in stores[1:]:
+            s.close()
+    finally:
+        rank0.kill()
+        rank0.wait()

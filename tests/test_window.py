@@ -576,6 +576,42 @@ def test_allocated_window_close(cluster):
     assert _cluster(cluster, "cma").run(_allocated_close) == [(2, 1, True, [True] * 3, 0)] * 2
 
 
+def _one_rank_cannot(world):
+    """Rank 1 asks for more memory than the host has, then for a bad signal count, then for a
+    window it cannot map (its address space is capped): every rank raises InvalidArgument at
+    once, nothing is allocated past what the host has (no OOM killer), and the communicator
+    goes on."""
+    import resource
+    import time
+    out = []
+    soft_as = resource.getrlimit(resource.RLIMIT_AS)
+    for case in ("memory", "signals", "map"):
+        t0 = time.monotonic()
+        try:
+            if case == "map" and world.rank == 1:
+                with open("/proc/self/status") as f:
+                    vm = next(int(line.split()[1]) for line in f if line.startswith("VmSize:")) * 1024
+                resource.setrlimit(resource.RLIMIT_AS, (vm + (32 << 20), soft_as[1]))
+            ask = {"memory": 1 << 50, "signals": 4096, "map": 256 << 20}[case] if world.rank == 1 else 4096
+            try:
+                world.window(ask, signals=-1 if case == "signals" and world.rank == 1 else 4)
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, soft_as)
+            out.append("made")
+        except comm.InvalidArgument as e:
+            named = ("more than this host's available memory" if world.rank == 1 else "rank 1") if case == "memory" \
+                else ("signals=-1" if world.rank == 1 else "rank 1") if case == "signals" \
+                else ("mmap" if world.rank == 1 else "rank 1 could not make its window")
+            out.append(named in str(e) and time.monotonic() - t0 < 10)
+    x = np.ones(4)
+    world.all_reduce(x)
+    return out, float(x[0])
+
+
+def test_window_one_rank_cannot(cluster):
+    assert _cluster(cluster, "cma").run(_one_rank_cannot) == [([True] * 3, 2.0)] * 2
+
+
 def _page_kib(addr: int) -> int:
     """The kernel page size (KiB) of the mapping holding addr (/proc/self/smaps)."""
     inside = False

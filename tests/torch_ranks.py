@@ -16,6 +16,8 @@ def ranks():
     def run(n, fn, *args, timeout=120):
         c = clusters.get(n)
         if c is None or c.broken:
+            if c is not None:
+                c.close()
             c = clusters[n] = Cluster(n, init=False)
         try:
             return c.run(fn, free_port(), *args, timeout=timeout)

@@ -29,7 +29,7 @@ import threading
 import time
 import weakref
 
-from comm import auth
+from comm import auth, limits
 from comm.errors import Closed, CommError, CommTimeout, PeerFailure
 
 # A data connection must complete its handshake this fast (ours take milliseconds), and at
@@ -40,10 +40,6 @@ MAX_HANDSHAKES = 256
 MONITOR, P2P, FIRST_COLL = 0, 1, 2  # socket roles, sent by the connecting side
 IDENT = struct.Struct("!II16s")  # (rank, role, the acceptor's session token)
 _YES, _NO = b"Y", b"N"  # a lazy set's monitor: kept, or the peer's own dial wins
-
-# Descriptors a process keeps beside its connections (interpreter, libraries, store client,
-# listener, event descriptors): the headroom the limit check leaves.
-_MARGIN = 64
 
 
 def readable(socks: list, timeout: float) -> list:
@@ -101,21 +97,11 @@ def _out_of_descriptors(ctx, op: str, e: OSError) -> CommError:
 
 
 def reserve_descriptors(ctx, infos, peers, local: set, net: str | None) -> None:
-    """Before connecting: the descriptors the plan needs must fit under RLIMIT_NOFILE. The soft
-    limit is raised to the hard one when that suffices; otherwise a CommError names `ulimit -n`."""
-    open_now = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+    """Before connecting: the descriptors the plan needs must fit under RLIMIT_NOFILE."""
     sockets = sum(len(roles(ctx, infos, p, local, net)) for p in peers)
-    needed = open_now + sockets + len(local) + _MARGIN   # local: a shared-memory segment each
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or needed <= soft:
-        return
-    if hard == resource.RLIM_INFINITY or needed <= hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        return
-    raise CommError(f"this rank needs about {needed} file descriptors ({sockets} sockets to {len(peers)} peers, "
-                    f"{open_now} open already, {len(local)} for shared memory, {_MARGIN} spare) but "
-                    f"`ulimit -n` allows {soft} and its hard limit {hard}: raise it (ulimit -n {needed} or more; "
-                    "COMM_CONNECT=lazy needs fewer)", rank=ctx.rank, op="init")
+    limits.reserve(sockets + len(local),   # local: a shared-memory segment each
+                   f"{sockets} sockets to {len(peers)} peers, {len(local)} for shared memory",
+                   rank=ctx.rank, op="init", hint="; COMM_CONNECT=lazy needs fewer")
 
 
 def dial(ctx, info, role: int, deadline: float, op: str = "init", check=None) -> socket.socket:

@@ -29,7 +29,10 @@ import threading
 import time
 import weakref
 
+import numpy as np
+
 from comm import auth, config, log, rendezvous
+from comm.buffers import as_buffer
 from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, Revoked, TransportUnavailable)
 from comm.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
@@ -138,6 +141,7 @@ class NativeWindow(TransportWindow):
         self._transport, self._rank = transport, transport.rank
         self._timeout = float(transport._ctx.timeout)
         engine = transport._engine
+        failed = None
         try:
             if nbytes is None:
                 self._w = _native.window(engine, mem.ptr, mem.nbytes, signals)
@@ -147,14 +151,24 @@ class NativeWindow(TransportWindow):
                 self.memory = self._w.memory()
                 addr, size = self.memory.ctypes.data, nbytes
         except _native.NativeError as e:
-            raise _convert(e, self._rank, "window") from None
+            failed = _convert(e, self._rank, "window")
         transport._windows += 1
         # The last entry: the net's RMA key (hex; empty where the net has none or was opened
-        # without it, native/src/rma.h).
-        me = [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,
-              self._w.rma_key.hex()]
-        infos = [json.loads(v) for v in transport._ctx.store.all_gather(
-            f"native/window{transport._windows}", json.dumps(me).encode())]
+        # without it, native/src/rma.h). A rank that could not make its window (no memory)
+        # sends why instead, so that every rank fails now rather than at the timeout.
+        me = {"error": failed.cause} if failed is not None else \
+            [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,
+             self._w.rma_key.hex()]
+        infos = [json.loads(v) for v in transport.exchange(json.dumps(me).encode())]
+        refused = next(((r, i["error"]) for r, i in enumerate(infos) if isinstance(i, dict)), None)
+        if refused is not None:
+            if type(failed) is CommError:   # the system said no (memory): the communicator is fine
+                raise InvalidArgument(failed.cause, rank=self._rank, op="window")
+            if failed is not None:
+                raise failed
+            self._w.close()
+            raise InvalidArgument(f"rank {refused[0]} could not make its window ({refused[1]}); no rank made it",
+                                  rank=self._rank, op="window")
         counts = {i[5] for i in infos}
         if len(counts) > 1:
             self._w.close()
@@ -171,7 +185,7 @@ class NativeWindow(TransportWindow):
                               f"{', '.join(f'{p}={path}' for p, path in enumerate(self.paths))}")
         # Nobody may close its signal segment (a window dropped at once) before every local
         # peer has mapped it: set-up ends together.
-        transport._ctx.store.all_gather(f"native/window{transport._windows}/mapped", b"")
+        transport.post(OpDesc(OpKind.BARRIER), True).wait()
         self.sizes = tuple(i[1] for i in infos)
         w = self._w   # the lean calls, bound once (comm/window.py calls them first)
         self.put_lean, self.get_lean, self.flush_lean = w.put_lean, w.get_lean, w.flush_lean
@@ -242,7 +256,7 @@ class NativeTransport(Transport):
         self.rank, self.size = ctx.rank, ctx.size
         self._ctx = ctx
         self._links: Links | None = None  # COMM_CONNECT=lazy: connections on first use
-        self._windows = 0  # windows made so far: names each one's exchange alike on every rank
+        self._windows = 0  # windows made so far (the debug log numbers them)
         self._debug = log.enabled()
         try:
             self._engine = self._bootstrap(ctx)
@@ -481,6 +495,23 @@ class NativeTransport(Transport):
         except _native.NativeError as e:
             raise _convert(e, self.rank, desc.kind.label) from None
         return NativePrepared(prepared, self)
+
+    def exchange(self, value: bytes) -> list[bytes]:
+        """Collective: every rank's `value`, by rank, through the engine's own all_gather (set-up
+        records, as MPI_Win_create's exchange): through the store, its host would send every
+        rank's record to every rank, gigabytes at thousands of ranks."""
+        n = self.size
+        lengths = np.empty(n, np.int64)
+        self._gather(OpKind.ALL_GATHER, np.array([len(value)], np.int64), lengths, DType.INT64, 1, ())
+        out = np.empty(int(lengths.sum()), np.uint8)
+        self._gather(OpKind.ALL_GATHER_V, np.frombuffer(value, np.uint8).copy(), out, DType.UINT8, len(value),
+                     tuple(int(k) for k in lengths))
+        ends = np.cumsum(lengths)
+        return [out[e - k:e].tobytes() for e, k in zip(ends, lengths)]
+
+    def _gather(self, kind: OpKind, send, recv, dtype: DType, count: int, counts: tuple) -> None:
+        send, recv = as_buffer(send, op="window", writable=False), as_buffer(recv, op="window", writable=True)
+        self.post(OpDesc(kind, send, recv, dtype, count, recv_counts=counts or None), True).wait()
 
     def window(self, mem, signals: int) -> NativeWindow:
         return NativeWindow(self, mem, signals)

@@ -23,7 +23,9 @@ class VerbsTransport(NativeTransport):
     def net_options(cls) -> dict[str, str]:
         return {"device": config.get("COMM_VERBS_DEVICE") or "",
                 "gid_index": str(config.get("COMM_VERBS_GID_INDEX")),
-                "hop_limit": str(config.get("COMM_VERBS_HOP_LIMIT"))}
+                "hop_limit": str(config.get("COMM_VERBS_HOP_LIMIT")),
+                # rma: windows over RDMA WRITE / READ instead of p2p messages (window_verbs.cc)
+                "rma": "1" if config.get("COMM_WINDOW_RMA") else "0"}
 
     def _bootstrap(self, ctx):
         engine = super()._bootstrap(ctx)

@@ -1,9 +1,10 @@
 // Remote memory access for windows (window.h): a net whose fabric reaches a peer's registered
-// memory itself (UCX: ucp_put_nbx / ucp_get_nbx with exchanged rkeys) serves a window's puts
-// and gets without any message of the engine's own; a signal, after the data before it
-// completed, is a message unless the net adds it itself (put). Net::rma_window offers it; a
+// memory itself (UCX: ucp_put_nbx / ucp_get_nbx with exchanged rkeys; verbs: RDMA WRITE / READ)
+// serves a window's puts and gets without any message of the engine's own; a signal, after
+// the data before it completed, is a message unless the net adds it itself (put). Net::rma_window offers it; a
 // net without RMA (or memory it cannot register) returns null, and the window keeps the p2p
-// message path for those peers. UCX's net offers it when opened with COMM_WINDOW_RMA=1.
+// message path for those peers. UCX's net (window_ucx.cc) and the verbs net (window_verbs.cc,
+// RDMA WRITE / READ) offer it when opened with COMM_WINDOW_RMA=1.
 #pragma once
 
 #include <cstdint>
@@ -39,8 +40,10 @@ class RmaWindow {
   // completed: the call may wait for that, as flush() does. False: the net cannot add to
   // that peer's counters itself; everything before is complete, and the caller sends the
   // signal (a message the target's engine counts in).
+  // Either may also wait (through `wait`) while the net's staging or queue has no room.
   virtual bool put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) = 0;
-  virtual void get(int peer, void* dst, uint64_t len, uint64_t offset) = 0;
+  // dst must stay valid until flush() returns (the bytes may be copied into it until then).
+  virtual void get(int peer, void* dst, uint64_t len, uint64_t offset, const RmaWait& wait) = 0;
   // Every put / get / signal to `peer` (-1: every peer) complete at both ends.
   virtual void flush(int peer, const RmaWait& wait) = 0;
   // Nothing issued to `peer` (-1: any peer) since its last flush: flush has nothing to wait for.

@@ -1,15 +1,15 @@
 #include "shm.h"
 
-#include <fcntl.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <climits>
 #include <cstring>
+
+#include "memfd.h"
 
 namespace comm {
 
@@ -29,18 +29,10 @@ constexpr size_t kSlotStride = kSlotHeaderBytes + kSlotBytes;
 // speed. Larger segments fault in as used.
 constexpr size_t kPopulateMaxBytes = 40 << 20;
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels refuse it (EINVAL) and fault in
-#endif
-
-// Map a segment; within kPopulateMaxBytes with its page tables filled in, writable (a
-// read-only mapping of a page costs a fault at its first write).
-void* map_segment(int fd, size_t bytes) {
-  const bool populate = bytes <= kPopulateMaxBytes;
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | (populate ? MAP_POPULATE : 0), fd, 0);
-  if (p != MAP_FAILED && populate) (void)madvise(p, bytes, MADV_POPULATE_WRITE);
-  return p;
-}
+// Within kPopulateMaxBytes a segment is allocated at creation (so a host short of shared
+// memory fails there, clearly, not with SIGBUS at some later page fault) and mapped with its
+// page tables filled in, by its creator and by every peer.
+bool whole_now(size_t bytes) { return bytes <= kPopulateMaxBytes; }
 
 // Every local rank computes the same size from the same count (attach checks the segment's).
 size_t coll_ring_bytes(size_t local_ranks) {
@@ -74,19 +66,12 @@ int ShmDomain::local_index(int global_rank) const {
 }
 
 int ShmDomain::create() {
-  fd_ = memfd_create("comm-shm", MFD_CLOEXEC);
-  if (fd_ < 0) fail_errno("memfd_create");
-  // Peers open it through /proc/<pid>/fd, which already requires the same user; the mode
-  // says so too.
-  if (fchmod(fd_, 0600) != 0) fail_errno("fchmod shared memory");
-  if (ftruncate(fd_, static_cast<off_t>(segment_bytes())) != 0) fail_errno("ftruncate shared memory");
-  // Allocated now, so a host short of shared memory fails here with a clear error rather
-  // than with SIGBUS at some later page fault.
-  if (segment_bytes() <= kPopulateMaxBytes && fallocate(fd_, 0, 0, static_cast<off_t>(segment_bytes())) != 0 && errno != EOPNOTSUPP)
-    fail_errno("allocating " + std::to_string(segment_bytes() >> 20) + " MiB of shared memory");
-  void* p = map_segment(fd_, segment_bytes());
-  if (p == MAP_FAILED) fail_errno("mmap shared memory");
-  bases_[me_] = static_cast<char*>(p);
+  const size_t bytes = segment_bytes();
+  MemfdOptions o;
+  o.reserve = o.populate = whole_now(bytes);
+  const Memfd m = create_memfd("comm-shm", bytes, o, "allocating " + std::to_string(bytes >> 20) + " MiB of shared memory");
+  fd_ = m.fd;
+  bases_[me_] = m.base;
   SegHeader* h = seg(me_);  // fresh pages are zero: atomics start at 0
   h->pid = static_cast<uint64_t>(getpid());
   h->probe_addr = reinterpret_cast<uint64_t>(&probe_word);
@@ -96,18 +81,11 @@ int ShmDomain::create() {
 void ShmDomain::attach(int global_rank, int pid, int fd) {
   int local = local_index(global_rank);
   if (local < 0 || local == me_) return;
-  const std::string path = "/proc/" + std::to_string(pid) + "/fd/" + std::to_string(fd);
-  int mine = open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (mine < 0)
-    fail_errno("cannot open the shared memory of rank " + std::to_string(global_rank) + " (" + path +
-               "; the rank exited, or runs as another user)");
-  struct stat st {};
-  const bool fits = fstat(mine, &st) == 0 && static_cast<size_t>(st.st_size) == segment_bytes();
-  void* p = fits ? map_segment(mine, segment_bytes()) : MAP_FAILED;
-  close(mine);
-  if (!fits) fail(ErrorCode::SYSTEM, global_rank, path + " is not rank " + std::to_string(global_rank) + "'s segment");
-  if (p == MAP_FAILED) fail_errno("mmap shared memory of rank " + std::to_string(global_rank));
-  bases_[local] = static_cast<char*>(p);
+  // SYSTEM on a size mismatch: every rank computes the size from the same local rank count,
+  // so only a bug or a descriptor the peer reused can cause it.
+  PeerMemfd peer{global_rank, pid, fd, "shared memory", segment_bytes()};
+  peer.populate = whole_now(peer.bytes);
+  bases_[local] = map_peer_memfd(peer).base;
 }
 
 Slot* ShmDomain::slot(int local, uint64_t round) const {

@@ -30,66 +30,18 @@
 #include "net.h"
 #include "verbs_ibv.h"
 #include "verbs_wire.h"
+#include "window_verbs.h"
+#include "window_verbs_plan.h"
 
 namespace comm::verbs {
-
-// ---- the device a communicator opened; channels share it and keep it alive ------------------------
-struct Device {
-  ibv_context* ctx = nullptr;
-  ibv_pd* pd = nullptr;
-  explicit Device(const std::string& name) {
-    DeviceList devices;
-    for (int d = 0; d < devices.n && !ctx; d++)
-      if (name == lib().get_device_name(devices.list[d])) ctx = lib().open_device(devices.list[d]);
-    if (!ctx) fail(ErrorCode::SYSTEM, -1, "cannot open RDMA device " + name + ": " + std::strerror(errno));
-    pd = lib().alloc_pd(ctx);
-    if (!pd) {
-      lib().close_device(ctx);
-      fail_errno("ibv_alloc_pd");
-    }
-  }
-  ~Device() {
-    lib().dealloc_pd(pd);
-    lib().close_device(ctx);
-  }
-};
-
-// Page-aligned memory registered with the device for the life of a channel.
-class Region {
- public:
-  Region(Device& dev, size_t bytes, int access) : bytes_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) fail_errno("mmap of a verbs ring");
-    base_ = static_cast<char*>(p);
-    // A forked child gets no copy: the NIC keeps writing the parent's pages, never a child's
-    // copy-on-write one (what ibv_fork_init does for every registration).
-    madvise(base_, bytes, MADV_DONTFORK);
-    mr_ = lib().reg_mr(dev.pd, base_, bytes, access);
-    if (!mr_) {
-      const int err = errno;
-      munmap(base_, bytes_);
-      errno = err;
-      fail_errno("ibv_reg_mr of a verbs ring");
-    }
-  }
-  ~Region() {
-    lib().dereg_mr(mr_);
-    munmap(base_, bytes_);
-  }
-  char* base() const { return base_; }
-  uint32_t lkey() const { return mr_->lkey; }
-  uint32_t rkey() const { return mr_->rkey; }
-
- private:
-  size_t bytes_;
-  char* base_ = nullptr;
-  ibv_mr* mr_ = nullptr;
-};
 
 // ---- one queue pair: the engine's byte stream to one peer ---------------------------------------
 class VerbsChannel final : public Channel {
  public:
-  VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots, uint32_t slot_bytes);
+  // rma: the net's windows, which post RDMA WRITE / READ on this queue pair (the p2p stream's;
+  // else null): its queues hold VerbsRmaHub::kDepth more, and their completions go there.
+  VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots, uint32_t slot_bytes,
+               std::shared_ptr<VerbsRmaHub> rma);
   ~VerbsChannel() override;
   QpEntry entry() const { return {qp_->qp_num, psn_, reinterpret_cast<uintptr_t>(ring_.base()), ring_.rkey()}; }
   void connect(const PortInfo& port, const Address& remote, const QpEntry& theirs, int hop_limit);
@@ -118,7 +70,8 @@ class VerbsChannel final : public Channel {
   void destroy();
 
   std::shared_ptr<Device> dev_;
-  const uint32_t slots_, slot_bytes_, depth_;  // depth_: work requests per queue
+  std::shared_ptr<VerbsRmaHub> rma_;
+  const uint32_t slots_, slot_bytes_, depth_;  // depth_: the channel's work requests per queue
   ibv_comp_channel* events_ = nullptr;
   ibv_cq* cq_ = nullptr;
   ibv_qp* qp_ = nullptr;
@@ -140,9 +93,11 @@ class VerbsChannel final : public Channel {
   std::vector<int> fds_;
 };
 
-VerbsChannel::VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots, uint32_t slot_bytes)
+VerbsChannel::VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots, uint32_t slot_bytes,
+                           std::shared_ptr<VerbsRmaHub> rma)
     : Channel(peer),
       dev_(std::move(dev)),
+      rma_(std::move(rma)),
       slots_(slots),
       slot_bytes_(slot_bytes),
       depth_(slots + kCreditReserve),
@@ -156,15 +111,17 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots
     const int flags = fcntl(events_->fd, F_GETFL);
     if (flags < 0 || fcntl(events_->fd, F_SETFL, flags | O_NONBLOCK) < 0) fail_errno("fcntl(O_NONBLOCK)");
     fds_.push_back(events_->fd);
-    cq_ = lib().create_cq(dev_->ctx, static_cast<int>(2 * depth_), nullptr, events_, 0);
+    const uint32_t rma_depth = rma_ ? VerbsRmaHub::kDepth : 0;
+    cq_ = lib().create_cq(dev_->ctx, static_cast<int>(2 * depth_ + rma_depth), nullptr, events_, 0);
     if (!cq_) fail_errno("ibv_create_cq");
     ibv_qp_init_attr init{};
     init.send_cq = init.recv_cq = cq_;
     init.qp_type = IBV_QPT_RC;
-    init.cap.max_send_wr = init.cap.max_recv_wr = depth_;
+    init.cap.max_send_wr = depth_ + rma_depth;
+    init.cap.max_recv_wr = depth_;
     init.cap.max_send_sge = 1;
     init.cap.max_recv_sge = 1;
-    init.sq_sig_all = 1;  // every write completes: a DATA completion frees its staging slot
+    init.sq_sig_all = 1;  // every write completes: a DATA (or RMA) completion frees its staging slot
     qp_ = lib().create_qp(dev_->pd, &init);
     if (!qp_) fail_errno("ibv_create_qp");
   } catch (...) {
@@ -176,9 +133,12 @@ VerbsChannel::VerbsChannel(std::shared_ptr<Device> dev, int peer, uint32_t slots
 VerbsChannel::~VerbsChannel() { destroy(); }
 
 // Queue pair before its completion queue, every event acknowledged before the queue goes
-// (ibv_destroy_cq waits for that), the completion channel last.
+// (ibv_destroy_cq waits for that), the completion channel last. Windows stop posting on the
+// queue pair before it goes, and learn afterwards that what was in flight on it is over.
 void VerbsChannel::destroy() {
+  if (qp_ && rma_) rma_->detach(peer_);
   if (qp_) lib().destroy_qp(qp_);
+  if (qp_ && rma_) rma_->detached(peer_);
   if (cq_) {
     lib().ack_cq_events(cq_, unacked_events_);
     lib().destroy_cq(cq_);
@@ -203,7 +163,8 @@ void VerbsChannel::connect(const PortInfo& port, const Address& remote, const Qp
   a.qp_state = IBV_QPS_INIT;
   a.pkey_index = 0;
   a.port_num = static_cast<uint8_t>(port.port);
-  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+  // REMOTE_READ: the peer's windows RDMA READ this rank's (window_verbs.cc) on the p2p pair.
+  a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | (rma_ ? IBV_ACCESS_REMOTE_READ : 0);
   if (int rc = lib().modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
     fail(ErrorCode::SYSTEM, peer_, std::string("ibv_modify_qp(INIT): ") + std::strerror(rc));
   for (uint32_t i = 0; i < depth_; i++) post_recv();
@@ -213,7 +174,8 @@ void VerbsChannel::connect(const PortInfo& port, const Address& remote, const Qp
   a.path_mtu = static_cast<ibv_mtu>(std::min(port.mtu, remote.mtu));
   a.dest_qp_num = theirs.qpn;
   a.rq_psn = theirs.psn;
-  a.max_dest_rd_atomic = 1;
+  // RDMA READs of the peer's windows served at once (> 0 for any; what our address published).
+  a.max_dest_rd_atomic = responder_resources(dev_->max_qp_rd_atom);
   a.min_rnr_timer = 12;  // 0.64 ms; credits keep receive requests posted, so RNR means trouble
   a.ah_attr.port_num = static_cast<uint8_t>(port.port);
   a.ah_attr.dlid = remote.lid;
@@ -235,12 +197,13 @@ void VerbsChannel::connect(const PortInfo& port, const Address& remote, const Qp
   a.timeout = 14;    // 4.096 us * 2^14 = 67 ms per try
   a.retry_cnt = 7;
   a.rnr_retry = 7;   // infinite: never expected (credits), never fatal
-  a.max_rd_atomic = 1;
+  a.max_rd_atomic = initiator_depth(dev_->max_qp_init_rd_atom, remote.rd_atomic);  // <= its max_dest_rd_atomic
   if (int rc = lib().modify_qp(qp_, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                             IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC))
     fail(ErrorCode::SYSTEM, peer_, std::string("ibv_modify_qp(RTS): ") + std::strerror(rc));
   remote_ring_ = theirs.ring_addr;
   remote_rkey_ = theirs.ring_rkey;
+  if (rma_) rma_->connected(peer_, qp_);
 }
 
 void VerbsChannel::shutdown() {
@@ -272,6 +235,13 @@ void VerbsChannel::post_write(const char* local, uint32_t len, uint64_t remote, 
 }
 
 void VerbsChannel::on_completion(const ibv_wc& wc) {
+  // A window's RDMA WRITE / READ (its id says so even in a failed completion, whose opcode is
+  // undefined): the window learns of it first; a failure has broken the queue pair for us too.
+  if (is_rma_wr(wc.wr_id)) {
+    if (rma_) rma_->completed(peer_, wc);
+    if (wc.status != IBV_WC_SUCCESS) lost(std::string("RDMA WRITE / READ of a window: ") + lib().wc_status_str(wc.status));
+    return;
+  }
   if (wc.status != IBV_WC_SUCCESS) lost(std::string("work completion ") + lib().wc_status_str(wc.status));
   if (wc.opcode == IBV_WC_RECV_RDMA_WITH_IMM) {
     Imm imm;
@@ -382,12 +352,23 @@ bool VerbsChannel::recv(Transfer& t) {
 // pair for (peer, stream) to RTS from the peer's record and hands it to the engine.
 class VerbsNet final : public Net {
  public:
-  VerbsNet(int rank, int size, const PortInfo& port, int hop_limit)
+  // rma: windows over RDMA WRITE / READ on the p2p queue pairs (COMM_WINDOW_RMA=1).
+  VerbsNet(int rank, int size, const PortInfo& port, int hop_limit, bool rma)
       : rank_(rank), size_(size), port_(port), hop_limit_(hop_limit), dev_(std::make_shared<Device>(port.device)) {
+    if (rma) rma_ = std::make_shared<VerbsRmaHub>(dev_, size);
     channels_.resize(static_cast<size_t>(size) * kStreams);
     for (int p = 0; p < size; p++)
       for (uint32_t s = 0; s < kStreams && p != rank; s++)
-        channels_[p * kStreams + s] = std::make_unique<VerbsChannel>(dev_, p, kSlots, kSlotBytes);
+        channels_[p * kStreams + s] = std::make_unique<VerbsChannel>(
+            dev_, p, kSlots, kSlotBytes, s == static_cast<uint32_t>(Stream::P2P) ? rma_ : nullptr);
+  }
+  // Windows' registrations go with the net; the channels the engine holds keep the device.
+  ~VerbsNet() override {
+    if (rma_) rma_->release();
+  }
+
+  std::unique_ptr<RmaWindow> rma_window(const RmaMemory& mem) override {
+    return rma_ ? open_verbs_rma_window(rma_, mem, rank_) : nullptr;
   }
 
   NetCaps caps() const override { return {}; }  // host memory, any size (the stream is sliced)
@@ -398,6 +379,7 @@ class VerbsNet final : public Net {
     a.mtu = port_.mtu;
     a.lid = port_.lid;
     a.gid_index = static_cast<uint8_t>(port_.gid_index);
+    a.rd_atomic = responder_resources(dev_->max_qp_rd_atom);
     std::memcpy(a.gid, port_.gid, 16);
     a.slots = kSlots;
     a.slot_bytes = kSlotBytes;
@@ -438,6 +420,7 @@ class VerbsNet final : public Net {
   PortInfo port_;
   int hop_limit_;
   std::shared_ptr<Device> dev_;
+  std::shared_ptr<VerbsRmaHub> rma_;  // null without COMM_WINDOW_RMA
   std::vector<std::unique_ptr<VerbsChannel>> channels_;  // [peer * kStreams + stream]
 };
 
@@ -458,7 +441,7 @@ std::string option(const NetOptions& opts, const char* key) {
 namespace comm {
 
 // Options: "device" (name or name:port, empty: the first active port), "gid_index" (-1:
-// choose), "hop_limit" (RoCE v2 / routed InfiniBand).
+// choose), "hop_limit" (RoCE v2 / routed InfiniBand), "rma" ("1": windows over RDMA WRITE / READ).
 std::string verbs_unavailable(const NetOptions& opts) {
   try {
     verbs::find_port(verbs::option(opts, "device"), verbs::option(opts, "gid_index", -1));
@@ -471,7 +454,8 @@ std::string verbs_unavailable(const NetOptions& opts) {
 std::unique_ptr<Net> open_verbs(int rank, int size, const NetOptions& opts) {
   try {
     const verbs::PortInfo port = verbs::find_port(verbs::option(opts, "device"), verbs::option(opts, "gid_index", -1));
-    return std::make_unique<verbs::VerbsNet>(rank, size, port, verbs::option(opts, "hop_limit", 64));
+    return std::make_unique<verbs::VerbsNet>(rank, size, port, verbs::option(opts, "hop_limit", 64),
+                                             verbs::option(opts, "rma") == "1");
   } catch (const verbs::Unavailable& e) {
     fail(ErrorCode::SYSTEM, -1, std::string("verbs: ") + e.what());
   }

@@ -1,13 +1,19 @@
-// libibverbs for the verbs net (verbs.cc): the library loaded at run time, and port
-// discovery. Internal to the net; needs rdma-core's headers.
+// libibverbs for the verbs net (verbs.cc) and its windows (window_verbs.cc): the library loaded
+// at run time, port discovery, the opened device and registered regions. Internal to the net;
+// needs rdma-core's headers.
 #pragma once
 
 #include <infiniband/verbs.h>
+#include <sys/mman.h>
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
+
+#include "common.h"
 
 namespace comm::verbs {
 
@@ -71,6 +77,71 @@ struct DeviceList {
   ~DeviceList();
   DeviceList(const DeviceList&) = delete;
   DeviceList& operator=(const DeviceList&) = delete;
+};
+
+// ---- the device a communicator opened; channels share it and keep it alive ------------------------
+struct Device {
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+  ibv_context* ctx = nullptr;
+  ibv_pd* pd = nullptr;
+  // RDMA READs a queue pair may serve / issue at once (ibv_query_device; 1 if it cannot say).
+  int max_qp_rd_atom = 1, max_qp_init_rd_atom = 1;
+  explicit Device(const std::string& name) {
+    DeviceList devices;
+    for (int d = 0; d < devices.n && !ctx; d++)
+      if (name == lib().get_device_name(devices.list[d])) ctx = lib().open_device(devices.list[d]);
+    if (!ctx) fail(ErrorCode::SYSTEM, -1, "cannot open RDMA device " + name + ": " + std::strerror(errno));
+    pd = lib().alloc_pd(ctx);
+    if (!pd) {
+      lib().close_device(ctx);
+      fail_errno("ibv_alloc_pd");
+    }
+    ibv_device_attr attr{};
+    if (lib().query_device(ctx, &attr) == 0) {
+      max_qp_rd_atom = attr.max_qp_rd_atom;
+      max_qp_init_rd_atom = attr.max_qp_init_rd_atom;
+    }
+  }
+  ~Device() {
+    lib().dealloc_pd(pd);
+    lib().close_device(ctx);
+  }
+};
+
+// Page-aligned memory registered with the device for the life of a channel (or a window's
+// staging chunks).
+class Region {
+ public:
+  Region(Device& dev, size_t bytes, int access) : bytes_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) fail_errno("mmap of a verbs ring or staging area");
+    base_ = static_cast<char*>(p);
+    // A forked child gets no copy: the NIC keeps writing the parent's pages, never a child's
+    // copy-on-write one (what ibv_fork_init does for every registration).
+    madvise(base_, bytes, MADV_DONTFORK);
+    mr_ = lib().reg_mr(dev.pd, base_, bytes, access);
+    if (!mr_) {
+      const int err = errno;
+      munmap(base_, bytes_);
+      errno = err;
+      fail_errno("ibv_reg_mr of a verbs ring or staging area");
+    }
+  }
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+  ~Region() {
+    lib().dereg_mr(mr_);
+    munmap(base_, bytes_);
+  }
+  char* base() const { return base_; }
+  uint32_t lkey() const { return mr_->lkey; }
+  uint32_t rkey() const { return mr_->rkey; }
+
+ private:
+  size_t bytes_;
+  char* base_ = nullptr;
+  ibv_mr* mr_ = nullptr;
 };
 
 }  // namespace comm::verbs

@@ -84,9 +84,9 @@ uint32_t CreditWindow::to_return() {
 
 // ---- address record ------------------------------------------------------------------------
 namespace {
-constexpr char kMagic[4] = {'C', 'V', 'B', '2'};
-constexpr uint16_t kVersion = 2;
-// magic, version, port, mtu, lid, gid index, pad, slots, slot bytes, streams, ranks, gid
+constexpr char kMagic[4] = {'C', 'V', 'B', '3'};
+constexpr uint16_t kVersion = 3;
+// magic, version, port, mtu, lid, gid index, rd atomic, slots, slot bytes, streams, ranks, gid
 constexpr size_t kHeaderBytes = 4 + 2 + 1 + 1 + 2 + 1 + 1 + 4 + 4 + 4 + 4 + 16;
 constexpr size_t kEntryBytes = 4 + 4 + 8 + 4;
 
@@ -116,7 +116,7 @@ std::string encode_address(const Address& a) {
   w.put(a.mtu, 1);
   w.put(a.lid, 2);
   w.put(a.gid_index, 1);
-  w.put(0, 1);
+  w.put(a.rd_atomic, 1);
   w.put(a.slots, 4);
   w.put(a.slot_bytes, 4);
   w.put(a.streams, 4);
@@ -146,7 +146,7 @@ bool decode_address(const std::string& data, int ranks, uint32_t streams, Addres
   a.mtu = static_cast<uint8_t>(r.get(1));
   a.lid = static_cast<uint16_t>(r.get(2));
   a.gid_index = static_cast<uint8_t>(r.get(1));
-  r.get(1);
+  a.rd_atomic = static_cast<uint8_t>(r.get(1));
   a.slots = static_cast<uint32_t>(r.get(4));
   a.slot_bytes = static_cast<uint32_t>(r.get(4));
   a.streams = static_cast<uint32_t>(r.get(4));
@@ -161,8 +161,9 @@ bool decode_address(const std::string& data, int ranks, uint32_t streams, Addres
     return false;
   }
   if (a.mtu < 1 || a.mtu > 5 || a.port == 0 || a.slots < 1 || a.slots > kMaxCredits || a.slot_bytes < 64 ||
-      a.slot_bytes > kMaxSlotBytes) {
-    *why = "address record out of range (mtu code " + std::to_string(a.mtu) + ", port " +
+      a.slot_bytes > kMaxSlotBytes || a.rd_atomic < 1 || a.rd_atomic > kMaxRdAtomic) {
+    *why = "address record out of range (mtu code " + std::to_string(a.mtu) + ", rd atomic " +
+           std::to_string(a.rd_atomic) + ", port " +
            std::to_string(a.port) + ", " + std::to_string(a.slots) + " slots of " +
            std::to_string(a.slot_bytes) + " bytes)";
     return false;
@@ -180,6 +181,15 @@ bool decode_address(const std::string& data, int ranks, uint32_t streams, Addres
   }
   *out = std::move(a);
   return true;
+}
+
+uint8_t responder_resources(int device_max_qp_rd_atom) {
+  return static_cast<uint8_t>(std::clamp<int>(device_max_qp_rd_atom, 1, kMaxRdAtomic));
+}
+
+uint8_t initiator_depth(int device_max_qp_init_rd_atom, uint8_t peer_responder_resources) {
+  return static_cast<uint8_t>(
+      std::clamp<int>(std::min<int>(device_max_qp_init_rd_atom, peer_responder_resources), 1, kMaxRdAtomic));
 }
 
 int choose_gid(const std::vector<GidEntry>& table, bool ethernet, int wanted) {

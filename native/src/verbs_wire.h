@@ -80,6 +80,7 @@ struct Address {
   uint8_t port = 0, mtu = 0;  // mtu: enum ibv_mtu code, 1 (256 B) .. 5 (4096 B)
   uint16_t lid = 0;
   uint8_t gid_index = 0;
+  uint8_t rd_atomic = 1;      // RDMA READs this rank serves at once per queue pair (1..kMaxRdAtomic)
   uint8_t gid[16] = {};       // zeros on plain InfiniBand without a GID
   uint32_t slots = 0, slot_bytes = 0;
   uint32_t streams = 0;       // queue pairs per peer (collective, send/recv)
@@ -90,6 +91,16 @@ std::string encode_address(const Address& a);
 // False (with *why set) unless `data` is a record of this version for a group of `ranks`
 // with `streams` queue pairs per peer and fields in range.
 bool decode_address(const std::string& data, int ranks, uint32_t streams, Address* out, std::string* why);
+
+// ---- RDMA READ depth (windows' gets: window_verbs.cc) -------------------------------------------
+// A queue pair's READs in flight (max_rd_atomic, the initiator depth) must not exceed what the
+// peer's end serves at once (its max_dest_rd_atomic, the responder resources): a READ past
+// them is a fatal "invalid request" for the pair. Each rank publishes its responder resources
+// (its device's max_qp_rd_atom, clamped) and takes the smaller of theirs and its own
+// max_qp_init_rd_atom. 1 is the floor (what every device supports, as before).
+constexpr uint32_t kMaxRdAtomic = 16;
+uint8_t responder_resources(int device_max_qp_rd_atom);
+uint8_t initiator_depth(int device_max_qp_init_rd_atom, uint8_t peer_responder_resources);
 
 // ---- GID choice (RoCE needs a GID; routers forward only RoCE v2) -------------------------------
 struct GidEntry {

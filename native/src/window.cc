@@ -1,10 +1,8 @@
 #include "window.h"
 
-#include <fcntl.h>
 #include <sched.h>
 #include <linux/futex.h>
 #include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -12,6 +10,8 @@
 #include <climits>
 #include <cstring>
 #include <string>
+
+#include "memfd.h"
 
 namespace comm {
 
@@ -43,22 +43,13 @@ Window::Window(Comm& c, P2P& p2p, std::function<void(int)> reach, uint32_t id, u
   // The counters live in a memfd so local peers can map them (and add to them) without a
   // message; nothing named is left behind whatever way the job ends (as ShmDomain).
   seg_bytes_ = kSignalHeaderBytes + sizeof(uint64_t) * signals;
-  fd_ = memfd_create("comm-window", MFD_CLOEXEC);
-  if (fd_ < 0) fail_errno("memfd_create (window signals)");
-  if (fchmod(fd_, 0600) != 0 || ftruncate(fd_, static_cast<off_t>(seg_bytes_)) != 0) {
-    const int err = errno;
-    ::close(fd_);
-    errno = err;
-    fail_errno("window signal segment");
-  }
-  void* p = mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd_, 0);
-  if (p == MAP_FAILED) {
-    const int err = errno;
-    ::close(fd_);
-    errno = err;
-    fail_errno("mmap window signal segment");
-  }
-  mem_.seg = static_cast<char*>(p);
+  // Reserved as every segment is (a peer's add_signal must not SIGBUS), though it is small.
+  MemfdOptions o;
+  o.reserve = true;
+  const Memfd m = create_memfd("comm-window", seg_bytes_, o,
+                               "allocating the window signal segment of " + std::to_string(seg_bytes_) + " bytes");
+  fd_ = m.fd;
+  mem_.seg = m.base;
   // Registered before any peer learns of it, as below; a net without RMA, or memory it cannot
   // register, leaves rma_ null: messages then.
   if (c_.net) rma_ = c_.net->rma_window(RmaMemory{mem_.base, size});
@@ -114,18 +105,11 @@ void Window::connect(const std::vector<WindowPeer>& peers, const std::vector<int
   for (int p = 0; p < c_.size; p++) {
     if (!direct(p) && !maps_.base(p)) continue;
     any_direct_ = true;
-    const std::string path = "/proc/" + std::to_string(peers[p].pid) + "/fd/" + std::to_string(peers[p].signal_fd);
-    const int fd = open(path.c_str(), O_RDWR | O_CLOEXEC);
-    if (fd < 0) fail_errno("cannot open the window signals of " + who(p) + " (" + path + ")");
-    struct stat st {};
-    const bool fits = fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) == seg_bytes_;
-    void* m = fits ? mmap(nullptr, seg_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0) : MAP_FAILED;
-    ::close(fd);
-    if (!fits)
-      fail(ErrorCode::INVALID_ARGUMENT, p, path + " is not " + who(p) + "'s window signals (ranks asked for "
-                                               "different signal counts?)");
-    if (m == MAP_FAILED) fail_errno("mmap the window signals of " + who(p));
-    peer_segs_[p] = static_cast<char*>(m);
+    // Exactly this rank's size: the counters' layout follows from the signal count.
+    PeerMemfd seg{p, peers[p].pid, peers[p].signal_fd, "window signals", seg_bytes_};
+    seg.mismatch = ErrorCode::INVALID_ARGUMENT;
+    seg.mismatch_hint = " (ranks asked for different signal counts?)";
+    peer_segs_[p] = map_peer_memfd(seg).base;
   }
 }
 
@@ -232,7 +216,12 @@ bool Window::get(int peer, uintptr_t dst, uint64_t len, uint64_t offset) {
   }
   if (!c_.peers[peer].p2p && reach_) reach_(peer);
   if (rma(peer)) {
-    rma_->get(peer, to, len, offset);
+    try {
+      rma_->get(peer, to, len, offset, rma_wait(c_.opt.timeout_s));
+    } catch (const CommError&) {
+      c_.check_alive();  // a peer that died says so, rather than the fabric's error
+      throw;
+    }
     return false;
   }
   p2p_.post_window(peer, kWinGet, peers_[peer].id, offset, to, len, -1);

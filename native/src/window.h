@@ -14,9 +14,9 @@
 //   into its signals, with no help from the target's application thread. Stream order gives
 //   "data, then its signal" and a flush that the target answers after everything before it
 //   landed. The target checks window id, offset, length and signal index again;
-// - a peer of a net with RMA (UCX with COMM_WINDOW_RMA=1, rma.h): the origin's net writes and
-//   reads the peer's registered memory (window_ucx.cc); a signal waits until that completed,
-//   then goes as the message above.
+// - a peer of a net with RMA (UCX or verbs with COMM_WINDOW_RMA=1, rma.h): the origin's net
+//   writes and reads the peer's registered memory (window_ucx.cc, window_verbs.cc); a signal
+//   waits until that completed, then goes as the message above.
 #pragma once
 
 #include <sys/types.h>

@@ -81,7 +81,7 @@ class UcxRmaWindow final : public RmaWindow {
   void connect(const std::vector<std::string>& keys) override;
   bool reaches(int peer) const override { return peer >= 0 && static_cast<size_t>(peer) < peers_.size() && peers_[peer].known; }
   bool put(int peer, const void* src, uint64_t len, uint64_t offset, int signal, const RmaWait& wait) override;
-  void get(int peer, void* dst, uint64_t len, uint64_t offset) override;
+  void get(int peer, void* dst, uint64_t len, uint64_t offset, const RmaWait& wait) override;
   void flush(int peer, const RmaWait& wait) override;
   bool flushed(int peer) override;
   void close() override;
@@ -196,7 +196,7 @@ bool UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset,
   return false;
 }
 
-void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset) {
+void UcxRmaWindow::get(int peer, void* dst, uint64_t len, uint64_t offset, const RmaWait&) {
   if (!len) return;
   std::lock_guard<std::mutex> lock(hub_->mu);
   ucp_ep_h ep = endpoint(peer, "get");

@@ -1,6 +1,6 @@
 // The device-free parts of the verbs channel (verbs_wire.h): immediates, credit accounting,
 // the stream in slots (header checks, drained payloads, a header read apart from its body),
-// the address record, GID choice. Built and run by tests/test_verbs.py with the system C++
+// the address record, the RDMA READ depth, GID choice. Built and run by tests/test_verbs.py with the system C++
 // compiler (with native/src/verbs_wire.cc, channel.cc, common.cc); exits non-zero naming the
 // first failed check.
 #include <cstdio>
@@ -77,6 +77,7 @@ static Address sample(int ranks, uint32_t streams) {
   a.mtu = 5;
   a.lid = 7;
   a.gid_index = 3;
+  a.rd_atomic = 8;
   for (int i = 0; i < 16; i++) a.gid[i] = static_cast<uint8_t>(0xf0 + i);
   a.slots = 16;
   a.slot_bytes = 128 << 10;
@@ -93,7 +94,7 @@ static void address() {
   std::string why;
   CHECK(decode_address(data, 3, 2, &b, &why));
   CHECK(b.port == 1 && b.mtu == 5 && b.lid == 7 && b.gid_index == 3 && b.slots == 16 && b.slot_bytes == (128 << 10));
-  CHECK(b.gid[15] == 0xff && b.entries.size() == 6);
+  CHECK(b.gid[15] == 0xff && b.entries.size() == 6 && b.rd_atomic == 8);
   for (size_t i = 0; i < 6; i++)
     CHECK(b.entries[i].qpn == a.entries[i].qpn && b.entries[i].psn == a.entries[i].psn &&
           b.entries[i].ring_addr == a.entries[i].ring_addr && b.entries[i].ring_rkey == a.entries[i].ring_rkey);
@@ -107,12 +108,32 @@ static void address() {
   std::string bad = data;
   bad[7] = 9;  // mtu code outside enum ibv_mtu
   CHECK(!decode_address(bad, 3, 2, &b, &why) && why.find("out of range") != std::string::npos);
+  for (uint8_t rd : {uint8_t{0}, uint8_t{kMaxRdAtomic + 1}}) {  // no READ served, or past the cap
+    Address odd = sample(3, 2);
+    odd.rd_atomic = rd;
+    CHECK(!decode_address(encode_address(odd), 3, 2, &b, &why) && why.find("rd atomic") != std::string::npos);
+  }
   Address wide = sample(3, 2);
   wide.entries[4].qpn = 1u << 24;
   CHECK(!decode_address(encode_address(wide), 3, 2, &b, &why) && why.find("24 bits") != std::string::npos);
   std::string garbage(data.size(), '\0');
   for (size_t i = 0; i < garbage.size(); i++) garbage[i] = static_cast<char>((i * 2654435761u) >> 13);
   CHECK(!decode_address(garbage, 3, 2, &b, &why));
+}
+
+// READs in flight never exceed what the peer serves, nor the device, nor the cap; at least 1.
+static void read_depth() {
+  CHECK(responder_resources(16) == 16 && responder_resources(4) == 4);
+  CHECK(responder_resources(255) == kMaxRdAtomic && responder_resources(0) == 1 && responder_resources(-1) == 1);
+  CHECK(initiator_depth(16, 4) == 4);              // the peer serves fewer than we could issue
+  CHECK(initiator_depth(2, 16) == 2);              // our device issues fewer than the peer serves
+  CHECK(initiator_depth(255, 255) == kMaxRdAtomic);
+  CHECK(initiator_depth(0, 8) == 1 && initiator_depth(8, 0) == 1);
+  for (int mine = 0; mine < 40; mine++)
+    for (int theirs = 1; theirs <= static_cast<int>(kMaxRdAtomic); theirs++) {
+      const int d = initiator_depth(mine, static_cast<uint8_t>(theirs));
+      CHECK(d >= 1 && d <= theirs && (mine < 1 || d <= mine));
+    }
 }
 
 static GidEntry gid(int index, bool zero, bool v4_mapped, int type) {
@@ -279,6 +300,7 @@ int main() {
   credits();
   stream();
   address();
+  read_depth();
   gid_choice();
   std::puts("verbs_wire: all checks passed");
   return 0;

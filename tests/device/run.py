@@ -11,7 +11,8 @@ Sections (each check prints PASS, FAIL or NOT RUN with the reason; a summary end
 3. comm's API on CUDA tensors over the native transport (staged), two ranks.
 4. CUDA-array-interface (CuPy when installed, else a bare interface) and DLPack inputs.
 5. The verbs transport: what its discovery sees (ports, GIDs), and a two-rank run (CUDA
-   tensors staged as on every host-memory transport) when an RDMA port is active.
+   tensors staged as on every host-memory transport) when an RDMA port is active, and a
+   window over RDMA WRITE / READ (COMM_WINDOW_RMA=1).
 
 Exit status: 0 when every check that ran passed, 1 on any failure, 2 when nothing could run.
 Each section runs in a process of its own (a library's crash fails that section, with the
@@ -433,6 +434,15 @@ def section_verbs() -> None:
     check("verbs two ranks, host memory", lambda: run_ranks(_ring_exchange, 2, transport="verbs", timeout=120))
     check("verbs two ranks, CUDA tensors (staged)",
           lambda: run_ranks(_ring_exchange, 2, "cuda", transport="verbs", timeout=120))
+    check("verbs window over RDMA WRITE / READ (COMM_WINDOW_RMA=1)", _verbs_window)
+
+
+def _verbs_window() -> None:
+    from harness import run_ranks
+    from test_verbs import _window_over_rdma
+    env = {"COMM_WINDOW_RMA": "1", "COMM_CMA": "0"}   # one host: no CMA, so the NIC carries it
+    got = run_ranks(_window_over_rdma, 2, transport="verbs", env=env, timeout=120)
+    assert got == [True, True], got
 
 
 def section_self_test_hang() -> None:
