@@ -134,8 +134,9 @@ class NativeWindow(TransportWindow):
     """The engine's window (native/src/window.h). Peers on this host write and read an
     allocated window (nbytes given: shared memory the engine allocates) through their own
     mapping of it, a user buffer with CMA; every other peer goes through its p2p stream,
-    where the target's engine writes the bytes in. Set-up publishes each rank's (address,
-    size, id, pid, signal segment, signal count, memory segment) through the store."""
+    where the target's engine writes the bytes in. Set-up exchanges each rank's (address,
+    size, id, pid, signal segment, signal count, memory segment, RMA key) through the
+    engine's own all_gather (NativeTransport.exchange)."""
 
     def __init__(self, transport: "NativeTransport", mem, signals: int, nbytes: int | None = None) -> None:
         self._transport, self._rank = transport, transport.rank
