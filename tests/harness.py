@@ -333,3 +333,23 @@ def run_ranks(fn, n: int, *args, transport: str = "native", env: dict | None = N
         return cluster.run(fn, *args, timeout=timeout, expect_errors=expect_errors)
     finally:
         cluster.close()
+
+
+def build_native_test(tmp_path, test: str, sources: tuple[str, ...]) -> str:
+    """native/tests/<test>.cc with `sources` of native/src, built by the system compiler with
+    warnings as errors and sanitizers, then run: its stdout."""
+    import pytest
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
+    if cxx is None:
+        pytest.skip(f"no C++ compiler here to build native/tests/{test}.cc")
+    exe = str(tmp_path / test)
+    native = os.path.join(ROOT, "native")
+    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
+                            os.path.join(native, "tests", f"{test}.cc"),
+                            *(os.path.join(native, "src", f) for f in sources),
+                            "-o", exe],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout

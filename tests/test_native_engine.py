@@ -2,15 +2,13 @@
 and shared-memory hygiene."""
 import glob
 import os
-import shutil
-import subprocess
 import time
 
 import numpy as np
 import pytest
 
 import comm
-from harness import ROOT, Cluster, abort_while_blocked, run_ranks
+from harness import Cluster, abort_while_blocked, build_native_test, run_ranks
 
 
 def _all_reduce_3gib(world):
@@ -246,19 +244,7 @@ def test_memfd_helpers(tmp_path):
     segment is created (mode 0600, close-on-exec, pages reserved, zeroed) and a peer's is mapped
     from another process, and the errors (a peer that exited, a file of the wrong size) naming
     the rank, the path and the cause."""
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip("no C++ compiler here to build native/tests/memfd_test.cc")
-    exe = str(tmp_path / "memfd_test")
-    native = os.path.join(ROOT, "native")
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
-                            os.path.join(native, "tests", "memfd_test.cc"),
-                            *(os.path.join(native, "src", f) for f in ("memfd.cc", "common.cc")), "-o", exe],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    assert "all checks passed" in run.stdout
+    assert "all checks passed" in build_native_test(tmp_path, "memfd_test", ("memfd.cc", "common.cc"))
 
 
 def _segments_resident(world):

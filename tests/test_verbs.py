@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 
 import comm
-from harness import ROOT
+from harness import build_native_test
 from transports import base
 
 VERBS_REASON = base.unavailable_reason("verbs")
@@ -36,30 +34,11 @@ def _rdma_devices_listed() -> bool:
     return os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
 
 
-def _build_and_run(tmp_path, test: str, sources: tuple[str, ...]) -> str:
-    """native/tests/<test>.cc with `sources` of native/src, built by the system compiler with
-    warnings as errors and sanitizers, then run: its stdout."""
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip(f"no C++ compiler here to build native/tests/{test}.cc")
-    exe = str(tmp_path / test)
-    native = os.path.join(ROOT, "native")
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
-                            os.path.join(native, "tests", f"{test}.cc"),
-                            *(os.path.join(native, "src", f) for f in sources),
-                            "-o", exe],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0, run.stderr
-    return run.stdout
-
-
 def test_wire_credits_address_and_gid_choice(tmp_path):
     """native/tests/verbs_wire_test.cc, built with warnings as errors and sanitizers: immediates,
     credits, the stream in slots (sizes across slots, a header mismatch before any payload byte,
     drained splits, a header read apart from its body), address records, GID choice."""
-    out = _build_and_run(tmp_path, "verbs_wire_test", ("verbs_wire.cc", "channel.cc", "common.cc"))
+    out = build_native_test(tmp_path, "verbs_wire_test", ("verbs_wire.cc", "channel.cc", "common.cc"))
     assert "all checks passed" in out
 
 
@@ -69,7 +48,7 @@ def test_window_keys_chunks_and_completions(tmp_path):
     wrapping keys refused), range checks at the window's edges, work-request ids apart from the
     channel's own, chunk cutting, and chunks in flight against a model (stray completions,
     failures kept for the next flush, abandoned READs, a lost queue pair)."""
-    out = _build_and_run(tmp_path, "window_verbs_plan_test", ("window_verbs_plan.cc",))
+    out = build_native_test(tmp_path, "window_verbs_plan_test", ("window_verbs_plan.cc",))
     assert "window_verbs_plan: all checks passed" in out
 
 

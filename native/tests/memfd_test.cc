@@ -15,17 +15,10 @@
 #include <cstring>
 #include <string>
 
+#include "check.h"
 #include "../src/memfd.h"
 
 using namespace comm;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
 
 // The error a call throws (code -1: none), with its message.
 template <class F>

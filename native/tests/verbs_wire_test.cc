@@ -9,27 +9,10 @@
 #include <deque>
 #include <stdexcept>
 
+#include "check.h"
 #include "../src/verbs_wire.h"
 
 using namespace comm::verbs;
-
-#define CHECK(cond)                                                    \
-  do {                                                                 \
-    if (!(cond)) {                                                     \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
-
-template <class F>
-bool throws(F f) {
-  try {
-    f();
-  } catch (const std::invalid_argument&) {
-    return true;
-  }
-  return false;
-}
 
 static void immediates() {
   for (Imm imm : {Imm{Kind::DATA, 0, 1}, Imm{Kind::DATA, kMaxCredits, 65536}, Imm{Kind::CREDIT, 64, 0}}) {
@@ -38,8 +21,8 @@ static void immediates() {
     CHECK(back.kind == imm.kind && back.credits == imm.credits && back.bytes == imm.bytes);
   }
   CHECK(encode_imm({Kind::DATA, 3, 5}) >> 30 == 1);  // the kind is in the top bits
-  CHECK(throws([] { encode_imm({Kind::DATA, kMaxCredits + 1, 1}); }));
-  CHECK(throws([] { encode_imm({Kind::DATA, 0, kMaxSlotBytes + 1}); }));
+  CHECK(throws<std::invalid_argument>([] { encode_imm({Kind::DATA, kMaxCredits + 1, 1}); }));
+  CHECK(throws<std::invalid_argument>([] { encode_imm({Kind::DATA, 0, kMaxSlotBytes + 1}); }));
   Imm out;
   CHECK(!decode_imm(5, 65536, &out));                                      // no kind
   CHECK(!decode_imm(3u << 30, 65536, &out));                               // kind 3 is none
@@ -55,8 +38,8 @@ static void credits() {
   CHECK(taken == 4 && w.available() == 0);  // exhaustion blocks, never negative
   CHECK(w.restore(3) && w.available() == 3);
   CHECK(!w.restore(2));                      // more than were ever spent
-  CHECK(throws([] { CreditWindow(0); }));
-  CHECK(throws([] { CreditWindow(kMaxCredits + 1); }));
+  CHECK(throws<std::invalid_argument>([] { CreditWindow(0); }));
+  CHECK(throws<std::invalid_argument>([] { CreditWindow(kMaxCredits + 1); }));
 
   CreditWindow r(8);
   for (int i = 0; i < 3; i++) CHECK(r.processed());

@@ -11,27 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "check.h"
 #include "../src/window_verbs_plan.h"
 
 using namespace comm::verbs;
-
-#define CHECK(cond)                                                                 \
-  do {                                                                              \
-    if (!(cond)) {                                                                  \
-      std::fprintf(stderr, "%s:%d: CHECK(%s) failed\n", __FILE__, __LINE__, #cond); \
-      std::exit(1);                                                                 \
-    }                                                                               \
-  } while (0)
-
-template <class E, class F>
-bool throws(F f) {
-  try {
-    f();
-  } catch (const E&) {
-    return true;
-  }
-  return false;
-}
 
 static void keys() {
   const RmaKey k{0x00007f0012345000ull, 64ull << 20, 0xdeadbeef};
