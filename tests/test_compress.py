@@ -206,9 +206,8 @@ def two_sizes(world, fmt):
                                                                                      "async", "persistent_f64")}}
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
-def test_compressed_collectives_hold_the_bound_on_four_ranks(fmt):
-    for r, res in enumerate(run_ranks(two_sizes, 4, fmt, env=FORCE)):
+def check_two_sizes(results) -> None:
+    for r, res in enumerate(results):
         assert res.pop("identical"), f"rank {r}: ranks got different all_reduce results"
         assert res.pop("input_kept") and res.pop("async")
         is_f64, over = res.pop("persistent_f64")
@@ -216,6 +215,11 @@ def test_compressed_collectives_hold_the_bound_on_four_ranks(fmt):
         for name, (specials, over) in res.items():
             assert specials, f"rank {r}: {name} did not propagate NaN / Inf as the exact path"
             assert over <= 0, f"rank {r}: {name} exceeds the bound by {over}"
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_compressed_collectives_hold_the_bound_on_four_ranks(fmt):
+    check_two_sizes(run_ranks(two_sizes, 4, fmt, env=FORCE))
 
 
 @pytest.mark.parametrize("fmt", ["bf16", *harness_slow("fp8")])
@@ -225,14 +229,7 @@ def test_plan_on_mpi_holds_the_bound(fmt):
     from transports import base
     if base.unavailable_reason("mpi") is not None:
         pytest.skip(f"mpi: {base.unavailable_reason('mpi')}")
-    for r, res in enumerate(run_ranks(two_sizes, 4, fmt, transport="mpi", launcher="mpirun", env=FORCE)):
-        assert res.pop("identical"), f"rank {r}: ranks got different all_reduce results"
-        assert res.pop("input_kept") and res.pop("async")
-        is_f64, over = res.pop("persistent_f64")
-        assert is_f64 and over <= 0, f"rank {r}: float64 persistent all_reduce exceeds the bound by {over}"
-        for name, (specials, over) in res.items():
-            assert specials, f"rank {r}: {name} did not propagate NaN / Inf as the exact path"
-            assert over <= 0, f"rank {r}: {name} exceeds the bound by {over}"
+    check_two_sizes(run_ranks(two_sizes, 4, fmt, transport="mpi", launcher="mpirun", env=FORCE))
 
 
 def refusals(world) -> list[str]:

@@ -65,14 +65,17 @@ def odd_sizes_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dic
     return res
 
 
-def check_odd_sizes(results, algorithm: str) -> None:
+def check_results(results, algorithm: str) -> None:
+    """Each rank's results of odd_sizes_suite or shards_suite (which also says whether in place
+    gave the bits of out of place): every case identical on every rank, within the bound."""
     for r, res in enumerate(results):
         assert res.pop("algorithms") == {algorithm}, f"rank {r}: ran {res}"
-        assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed all_reduces went wrong"
-        for count, (identical, specials, over) in res.items():
-            assert identical, f"rank {r}, {count} elements: ranks hold different bits"
-            assert specials, f"rank {r}, {count} elements: NaN / Inf not as on the exact path"
-            assert over <= 0, f"rank {r}, {count} elements: over the bound by {over}"
+        assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed calls went wrong"
+        assert res.pop("in place", (True,))[0], f"rank {r}: in place, other bits than out of place"
+        for case, (identical, specials, over) in res.items():
+            assert identical, f"rank {r}, {case}: ranks hold different bits"
+            assert specials, f"rank {r}, {case}: NaN / Inf not as on the exact path"
+            assert over <= 0, f"rank {r}, {case}: over the bound by {over}"
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
@@ -80,7 +83,7 @@ def test_engine_odd_sizes_identical_within_bound(fmt):
     # 3 ranks: shares that no unit divides evenly; fp8 with a block of 48 (not a power of two)
     block = 256 if fmt == "bf16" else 48
     results = run_ranks(odd_sizes_suite, 3, fmt, ODD_COUNTS, block, env={**FORCE, "COMM_COMPRESS_BLOCK": str(block)})
-    check_odd_sizes(results, "compressed-flat")
+    check_results(results, "compressed-flat")
 
 
 def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
@@ -197,23 +200,12 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
     return res
 
 
-def check_shards(results, algorithm: str) -> None:
-    for r, res in enumerate(results):
-        assert res.pop("algorithms") == {algorithm}, f"rank {r}: ran {res}"
-        assert res.pop("queued") == (True, True), f"rank {r}: two queued compressed calls went wrong"
-        assert res.pop("in place")[0], f"rank {r}: in place, other bits than out of place"
-        for name, (identical, specials, over) in res.items():
-            assert identical, f"rank {r}, {name}: ranks hold different bits"
-            assert specials, f"rank {r}, {name}: NaN / Inf not as on the exact path"
-            assert over <= 0, f"rank {r}, {name}: over the bound by {over}"
-
-
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_engine_reduce_scatter_all_gather_odd_sizes(fmt):
     # 3 ranks on one host (the flat form); fp8 with a block of 48, not a power of two
     block = 256 if fmt == "bf16" else 48
     results = run_ranks(shards_suite, 3, fmt, ODD_COUNTS, block, env={**FORCE, "COMM_COMPRESS_BLOCK": str(block)})
-    check_shards(results, "compressed-flat")
+    check_results(results, "compressed-flat")
 
 
 def engine_refusals(world) -> list[str]:
@@ -317,7 +309,7 @@ def test_engine_two_level_reduce_scatter_all_gather(fmt, transport, placement):
             results = c.run(shards_suite, fmt, ODD_COUNTS + ((3 << 20) + 5,), timeout=180)
         finally:
             c.close()
-    check_shards(results, "compressed-twolevel")
+    check_results(results, "compressed-twolevel")
 
 
 @pytest.mark.slow
@@ -335,4 +327,4 @@ def test_engine_two_level_odd_sizes(fmt):
             results = c.run(odd_sizes_suite, fmt, ODD_COUNTS + ((3 << 20) + 5,), timeout=120)
         finally:
             c.close()
-    check_odd_sizes(results, "compressed-twolevel")
+    check_results(results, "compressed-twolevel")
