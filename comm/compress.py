@@ -9,9 +9,10 @@ engine (native/src/twolevel_compress.cc: the same algorithm, its network phase e
 decode-adding on the engine's thread, pipelined with the shared-memory phases; async_op=True
 returns a Work that completes later for float32 data; other floats are converted around it);
 on other transports (mpi) they are built from the communicator's own collectives
-(comm/compress_plan.py), so they run on every transport. Formats: "bf16"
-(float32 / float64 data sent as bfloat16, rounded to nearest even) and "fp8" (e4m3 codes with
-one float32 scale per block of COMM_COMPRESS_BLOCK elements; see native/src/compress.h). Every partial sum is kept in float32 by the receiver.
+(comm/compress_plan.py), so they run on every transport. Formats: "bf16" (float32 / float64
+data sent as bfloat16, rounded to nearest even) and "fp8" (e4m3 codes with one float32 scale
+per block of COMM_COMPRESS_BLOCK elements; see native/src/compress.h). Every partial sum is
+kept in float32 by the receiver.
 
 The algorithm (torchft's quantize - exchange - reduce - requantize, over the topology):
 
