@@ -239,6 +239,7 @@ def test_shared_memory_unlinked_after_setup(cluster):
     assert cluster(3).run(_no_segments_left) == [[], [], []]
 
 
+@pytest.mark.slow   # a sanitizer build of a C++ unit test: seconds of compiling
 def test_memfd_helpers(tmp_path):
     """native/tests/memfd_test.cc, built with warnings as errors and sanitizers: the one way every
     segment is created (mode 0600, close-on-exec, pages reserved, zeroed) and a peer's is mapped

@@ -30,6 +30,7 @@ import time
 import pytest
 
 from harness import ROOT, free_port
+from harness import slow as harness_slow
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 
@@ -206,9 +207,9 @@ def _pairs(names: list[str]) -> list[list[str]]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory):
-    """Every job of this module: (mode, first import) -> (exit, stdout, stderr) of the job that
-    rank ran in; "others" and "both" likewise."""
+def jobs(tmp_path_factory, request):
+    """The jobs the selected tests of this module read: (mode, first import) -> (exit, stdout,
+    stderr) of the job that rank ran in; "others" and "both" likewise."""
     scripts = tmp_path_factory.mktemp("torch_import")
     rank, both = scripts / "rank.py", scripts / "both.py"
     rank.write_text(RANK)
@@ -221,7 +222,24 @@ def jobs(tmp_path_factory):
             (["both"], lambda: [_torchrun([str(both)], _env())])]
     jobs += [([(mode, first) for first in pair], functools.partial(_start, str(rank), mode, pair))
              for mode in MODES for pair in _pairs(FIRST)]
-    return _run(jobs)
+    wanted = {_key(item) for item in request.session.items if item.module is request.module}
+    return _run([job for job in jobs if wanted & set(job[0])])
+
+
+def _key(item):
+    """The job key a test of this module reads."""
+    if item.originalname == "test_other_modules_import_silently_without_torch":
+        return "others"
+    if item.originalname == "test_comm_init_and_process_group_under_torchrun":
+        return "both"
+    return item.callspec.params["mode"], item.callspec.params["first"]
+
+
+def _matrix() -> list:
+    """(mode, first import): every first import under torchrun, the launcher users run, and the
+    other modes for the first pair (comm, torch) in the quick suite; the whole matrix with -m slow."""
+    quick = [("torchrun", first) for first in FIRST] + [(mode, first) for mode in MODES[1:] for first in FIRST[:2]]
+    return quick + harness_slow(*[(mode, first) for mode in MODES for first in FIRST if (mode, first) not in quick])
 
 
 @pytest.mark.slow
@@ -232,8 +250,7 @@ def test_other_modules_import_silently_without_torch(jobs):
     assert len(OTHER_MODULES) > 10 and "comm.communicator" in OTHER_MODULES, OTHER_MODULES
 
 
-@pytest.mark.parametrize("first", FIRST)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode, first", _matrix())
 def test_backend_registered_whatever_comes_first(jobs, mode, first):
     if first in ("comm", "torch") and _autoload_missing():
         pytest.skip(_autoload_missing())   # only the entry point registers the backend then

@@ -42,6 +42,7 @@ def test_wire_credits_address_and_gid_choice(tmp_path):
     assert "all checks passed" in out
 
 
+@pytest.mark.slow   # a sanitizer build of a C++ unit test: seconds of compiling
 def test_window_keys_chunks_and_completions(tmp_path):
     """native/tests/window_verbs_plan_test.cc: the device-free half of windows over RDMA WRITE /
     READ (native/src/window_verbs_plan.cc): the window key (round trip; short, long, foreign and
