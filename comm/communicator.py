@@ -707,7 +707,8 @@ class Communicator:
         that refuses its own makes every rank raise, rather than leave the others waiting in
         the exchange until the timeout. One 8-byte all_reduce."""
         first = np.array([self.rank if cause else self.size], np.int64)
-        if self.size > 1:
+        # a transport of device memory only (nccl) has no windows and refuses them itself
+        if self.size > 1 and "cpu" in self._transport.devices:
             self.all_reduce(first, ReduceOp.MIN)
         if cause is not None:
             raise self._error(op, cause)
