@@ -155,9 +155,11 @@ def test_a_value_set_by_hand_counts(host):
     stores[2].set("k/2", b"by hand")
     results = _each(stores[:2], lambda r, s: s.all_gather("k", str(r).encode()))
     assert results == [[b"0", b"1", b"by hand"]] * 2
-    threading.Timer(0.3, stores[2].set, args=("late/2", b"late")).start()
+    late = threading.Timer(0.3, stores[2].set, args=("late/2", b"late"))
+    late.start()
     results = _each(stores[:2], lambda r, s: s.all_gather("late", str(r).encode()))
     assert results == [[b"0", b"1", b"late"]] * 2
+    late.join()   # the gather completes before the set's own reply: close its store after that
     for s in stores:
         s.close()
 
