@@ -88,7 +88,17 @@ class Gathers:
         if want is not None:
             g.wants[sock] = want
         self.arrived(key, member)
-        if key in self._open and deadline < self._next_sweep:
+        if key not in self._open:
+            return None   # this value was the last: every member has its answer queued
+        # a watched uid that left before this member got here wakes nobody again: ask now
+        answer = self._verdict(uid, watch)
+        if answer is not None:
+            del g.waiting[sock]
+            g.wants.pop(sock, None)
+            self._queue(sock, *answer)
+            self._poke()
+            return None
+        if deadline < self._next_sweep:
             self._next_sweep = deadline
             self._poke()
         return None

@@ -134,6 +134,30 @@ def test_watched_member_leaving_ends_the_wait(host):
         s.close()
 
 
+def test_member_arriving_after_a_watched_one_left_is_answered_at_once(host):
+    """The departure woke the members already waiting; one that gets there later must be
+    told too (shrink: a member dying while the others connect cost the slowest a full timeout)."""
+    port = host(3)
+    stores = _clients(port, 3)
+    views = [s.scoped("g", watch=[0, 1, 2]) for s in stores]
+    stores[2].close()   # rank 2 leaves before anyone gathers
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:   # its departure reached the host: a GET watching it ends
+        try:
+            views[0].get("never-set", timeout=0.2)
+        except PeerFailure:
+            break
+        except CommTimeout:
+            continue
+    started = time.monotonic()
+    results = _each(views[:2], lambda r, s: s.all_gather("k", b"v"))
+    assert time.monotonic() - started < 5   # not the 20 s timeout
+    for res in results:
+        assert isinstance(res, PeerFailure) and res.peer == 2, res
+    for s in stores[:2]:
+        s.close()
+
+
 def test_disagreements_are_errors(host):
     port = host(3)
     stores = _clients(port, 3)
