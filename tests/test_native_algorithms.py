@@ -18,13 +18,15 @@ IMPLEMENTS = {
     "rd": {"all_reduce"},
     "direct": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "gather", "barrier",
                "all_gather_v", "reduce_scatter_v", "all_to_all"},
+    "tuned": {"all_reduce"},   # runs ring or cma, and reports which
     "cma": {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_gather_v", "reduce_scatter_v",
             "all_to_all"},
     "linear": {"gather", "scatter"},
     "pairwise": {"all_to_all"},
     "dissemination": {"barrier"},
 }
-SHM_ONLY = {"direct", "cma"}
+SHM_ONLY = {"direct", "cma", "tuned"}
+RUNS = {"tuned": {"ring", "cma"}}   # what a forced algorithm reports having run
 CASES = [(DType.FLOAT32, ReduceOp.SUM), (DType.INT32, ReduceOp.MAX), (DType.FLOAT16, ReduceOp.AVG),
          (DType.INT64, ReduceOp.BXOR), (DType.FLOAT64, ReduceOp.PREMUL_SUM), (DType.BOOL, ReduceOp.PRODUCT)]
 COUNTS = [0, 1, 7, 1001, 20_000]
@@ -115,7 +117,7 @@ def _check(cluster, n, algo, channels):
     forced_here = channels == "auto" or algo not in SHM_ONLY
     for kind in IMPLEMENTS[algo]:
         if forced_here:
-            assert algo in used[kind], f"{kind} ran {used[kind]}, not the forced {algo}"
+            assert set(used[kind]) & RUNS.get(algo, {algo}), f"{kind} ran {used[kind]}, not the forced {algo}"
 
 
 # shared-memory-only algorithms have nothing to force over TCP (they fall back there)
@@ -134,6 +136,27 @@ def test_other_group_sizes(cluster, n, algo):
 @pytest.mark.parametrize("n", [2, 5])
 def test_default_selection_over_tcp(cluster, n):
     _check(cluster, n, "ring", "tcp")
+
+
+def tuned_runs(world, count, calls):
+    """Rank side: `calls` all_reduces of one size; (what ran, whether each result was right)."""
+    ran, right = [], []
+    for i in range(calls):
+        x = np.full(count, world.rank + i, np.float32)
+        world.all_reduce(x)
+        ran.append(world._transport.last_algorithm)
+        right.append(bool((x == sum(r + i for r in range(world.size))).all()))
+    return ran, right
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_tuned_choice_is_the_same_on_every_rank(cluster, n):
+    """Local rank 0 measures ring against cma and picks per call: every rank runs its pick
+    (a rank running the other would deadlock or be wrong), and both get tried."""
+    results = cluster(n, "native", env={"COMM_ALGO": "tuned"}).run(tuned_runs, (256 << 10) + 3, 40)
+    for ran, right in results:
+        assert ran == results[0][0] and all(right), (ran, right)
+    assert set(results[0][0]) == {"ring", "cma"}, results[0][0]
 
 
 def _half_inputs(rank: int, count: int) -> np.ndarray:

@@ -135,6 +135,8 @@ bool direct_fits(const Comm& c, const Coll& op);
 void reduce_slots(const Comm& c, const Coll& op, uint64_t round, size_t offset, char* out, size_t n);
 // cma.cc: every rank on one host, single-copy reads of peers' buffers (process_vm_readv)
 void cma_all_reduce(Comm& c, const Coll& op);
+// all_reduce by cma or the ring, whichever local rank 0 measures faster (local_tuner.h); sets c.ran
+void local_all_reduce(Comm& c, const Coll& op);
 void cma_reduce_scatter(Comm& c, const Coll& op);
 void cma_all_gather(Comm& c, const Coll& op);
 void cma_broadcast(Comm& c, const Coll& op);

@@ -23,8 +23,9 @@ struct Remote {
 };
 
 // Round 1: publish our buffers and learn everyone's (after checking they run the same op;
-// a v-collective also publishes its counts, and checks them).
-std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
+// a v-collective also publishes its counts, and checks them). choice: local rank 0's in, and
+// everyone's out.
+std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes, uint32_t* choice = nullptr) {
   const ShmDomain& shm = *c.shm;
   const bool v = op.kind == OpKind::ALL_GATHER_V || op.kind == OpKind::REDUCE_SCATTER_V;
   const uint64_t round = c.begin_round();
@@ -33,8 +34,10 @@ std::vector<Remote> exchange_addresses(Comm& c, const Coll& op, size_t bytes) {
   else mine->hdr = op.header(bytes);
   mine->send_addr = reinterpret_cast<uint64_t>(op.send);
   mine->recv_addr = reinterpret_cast<uint64_t>(op.recv);
+  if (choice && shm.me() == 0) mine->choice = *choice;
   c.publish_round(round);
   c.wait_round(round);
+  if (choice) *choice = shm.slot(0, round)->choice;
   std::vector<Remote> peers(c.size);
   for (int p = 0; p < c.size; p++) {
     const Slot* s = shm.slot(p, round);
@@ -77,6 +80,26 @@ void reduce_from_peers(Comm& c, const Coll& op, const std::vector<Remote>& peers
   }
 }
 
+// Each rank reduces its block chunk by chunk and writes every finished chunk, still in cache,
+// into the peers' outputs: two flag rounds, and no second pass over memory to read the
+// results back (with that third round, 2 ranks ran at 0.91-1.06x Open MPI's busbw at
+// 256 KiB-4 MiB, where both are near memory speed).
+// Nobody else touches those bytes meanwhile: a rank reads only its own block of the peers'
+// inputs, and in place that block of a peer is written only by that block's owner, after it
+// has read it.
+void reduce_and_write(Comm& c, const Coll& op, const std::vector<Remote>& peers) {
+  const Blocks b{op.count, c.size};
+  const size_t first = b.offset(c.rank), n = b.size(c.rank);
+  const size_t step = chunk_elems(kCmaChunkBytes, op.elem);
+  for (size_t off = 0; off < n; off += step) {
+    const size_t len = std::min(step, n - off), at = (first + off) * op.elem;
+    reduce_from_peers(c, op, peers, at, op.send + at, op.recv + at, len);
+    for (int p = 0; p < c.size; p++)
+      if (p != c.rank) write_remote(c, peers[p], p, peers[p].recv + at, op.recv + at, len * op.elem);
+  }
+  sync_round(c);  // every block is in every output; nobody returns while being written
+}
+
 }  // namespace
 
 void sync_round(Comm& c) {
@@ -97,26 +120,28 @@ bool cma_fits(const Comm& c, const Coll& op) {
           op.kind == OpKind::ALL_TO_ALL);
 }
 
-// Each rank reduces its block chunk by chunk and writes every finished chunk, still in cache,
-// into the peers' outputs: two flag rounds, and no second pass over memory to read the
-// results back (with that third round, 2 ranks ran at 0.91-1.06x Open MPI's busbw at
-// 256 KiB-4 MiB, where both are near memory speed).
-// Nobody else touches those bytes meanwhile: a rank reads only its own block of the peers'
-// inputs, and in place that block of a peer is written only by that block's owner, after it
-// has read it.
-void cma_all_reduce(Comm& c, const Coll& op) {
-  const Blocks b{op.count, c.size};
-  const auto peers = exchange_addresses(c, op, op.count * op.elem);
-  const size_t first = b.offset(c.rank), n = b.size(c.rank);
-  const size_t step = chunk_elems(kCmaChunkBytes, op.elem);
-  for (size_t off = 0; off < n; off += step) {
-    const size_t len = std::min(step, n - off), at = (first + off) * op.elem;
-    reduce_from_peers(c, op, peers, at, op.send + at, op.recv + at, len);
-    for (int p = 0; p < c.size; p++)
-      if (p != c.rank) write_remote(c, peers[p], p, peers[p].recv + at, op.recv + at, len * op.elem);
+void cma_all_reduce(Comm& c, const Coll& op) { reduce_and_write(c, op, exchange_addresses(c, op, op.count * op.elem)); }
+
+// local_tuner.h says why the choice is measured. It has to be the same on every rank: local
+// rank 0's goes out in the round that publishes cma's addresses, which cma needs anyway and
+// costs the ring one flag round (a few microseconds against the 30 or more of these sizes).
+void local_all_reduce(Comm& c, const Coll& op) {
+  const size_t bytes = op.count * op.elem;
+  uint32_t choice = c.rank == 0 ? c.tuner.choose(bytes) : 0;
+  const auto start = Clock::now();
+  const auto peers = exchange_addresses(c, op, bytes, &choice);
+  if (choice == LocalTuner::RING) {
+    c.ran = "ring";
+    ring_all_reduce(c, op);
+  } else {
+    c.ran = "cma";
+    reduce_and_write(c, op, peers);
   }
-  sync_round(c);  // every block is in every output; nobody returns while being written
+  if (c.rank == 0)
+    c.tuner.record(bytes, static_cast<LocalTuner::Choice>(choice),
+                   std::chrono::duration<double, std::nano>(Clock::now() - start).count());
 }
+
 
 void cma_reduce_scatter(Comm& c, const Coll& op) {
   const auto peers = exchange_addresses(c, op, op.count * c.size * op.elem);

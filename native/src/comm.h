@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "channel.h"
+#include "local_tuner.h"
 #include "net.h"
 #include "reduce.h"
 #include "shm.h"
@@ -88,6 +89,8 @@ class Comm {
   Deadline deadline;
   std::atomic<bool> aborted{false};
   uint64_t coll_seq = 0;
+  LocalTuner tuner;             // local rank 0's measurements (local_all_reduce)
+  const char* ran = nullptr;    // set by an algorithm that runs one of several it chose itself
 
   // True when every rank of the group is on this host (shared-memory-only algorithms).
   bool all_local() const { return shm && shm->local_size() == size; }

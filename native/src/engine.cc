@@ -406,13 +406,13 @@ void Engine::run_collective(const OpArgs& a, uint64_t seq) {
     last_algorithm_ = "local";
   } else if (a.wire != Wire::EXACT) {  // compressed: one algorithm, whatever the size
     last_algorithm_ = compressed_collective(comm_, op);
-  } else if (a.algo) {  // prepared: chosen once (the choice does not depend on pointers)
-    last_algorithm_ = a.algo_name;
-    a.algo(comm_, op);
   } else {
-    const Algorithm algo = choose_algorithm(comm_, op);
+    // prepared: chosen once (the choice does not depend on pointers)
+    const Algorithm algo = a.algo ? Algorithm{a.algo_name, a.algo} : choose_algorithm(comm_, op);
     last_algorithm_ = algo.name;
+    comm_.ran = nullptr;
     algo.run(comm_, op);
+    if (comm_.ran) last_algorithm_ = comm_.ran;   // it chose among others itself (local_all_reduce)
   }
   const bool has_result = op.kind != OpKind::REDUCE || comm_.rank == op.root;
   if (reduces && a.op == ReduceOp::AVG && has_result)

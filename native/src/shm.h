@@ -37,8 +37,10 @@ struct alignas(64) Slot {
   WireHeader hdr;
   uint64_t send_addr;
   uint64_t recv_addr;
+  uint32_t choice;  // local rank 0's: which algorithm this op runs (local_all_reduce)
 };
 constexpr size_t kSlotHeaderBytes = 128;
+static_assert(sizeof(Slot) <= kSlotHeaderBytes, "slot header layout");
 
 struct alignas(64) RingCtl {
   std::atomic<uint64_t> head;               // bytes ever written (producer)
