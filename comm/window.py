@@ -214,8 +214,9 @@ class Window:
     # ---- one-sided operations ----------------------------------------------------------------
     def put(self, peer: int, src, offset: int = 0, *, signal: int | None = None) -> None:
         """Copy src's bytes into `peer`'s window at byte `offset` (non-blocking: src must not
-        change until flush). signal=k: once these bytes and everything this rank put to
-        `peer` before them have landed, the peer's counter k goes up by 1."""
+        change until flush; a CUDA src is copied to pinned host memory before put returns).
+        signal=k: once these bytes and everything this rank put to `peer` before them have
+        landed, the peer's counter k goes up by 1."""
         lean = self._put_lean
         if lean is not None and self._comm._failure is None and not self._comm._closed:
             try:
@@ -244,7 +245,8 @@ class Window:
 
     def get(self, peer: int, dst, offset: int = 0) -> None:
         """Read len(dst) bytes of `peer`'s window from byte `offset` into dst (non-blocking:
-        dst holds them after flush)."""
+        dst holds them after flush; a CUDA dst is written by that flush, from pinned host
+        memory)."""
         lean = self._get_lean
         if lean is not None and self._comm._failure is None and not self._comm._closed:
             try:
