@@ -651,6 +651,8 @@ class Communicator:
         expose, or an int, a number of bytes the library allocates (as MPI_Win_allocate: the
         ranks of a host map each other's, so a put between them is a memcpy; w.buffer is the
         memory, zeroed). Sizes may differ per rank, 0 bytes too; ranks may mix both forms.
+        Device memory is refused (InvalidArgument): put from and get into CUDA buffers
+        instead, which the window stages through pinned host memory.
         Arguments one rank refuses are every rank's InvalidArgument, at once."""
         name = "window"
         if self._failure is not None or self._closed:
@@ -697,9 +699,20 @@ class Communicator:
                 raise self._error(name, f"nbytes={nbytes} is more than this host's available memory "
                                         f"({have} bytes: MemAvailable and free huge pages)")
             return nbytes, None
-        mem = self._buf(buf, name, writable=True, what="window")
+        # read here, not by _buf: a CUDA window must not start the collectives' staging
+        try:
+            mem = as_buffer(buf, op=name, writable=True)
+        except InvalidArgument as e:
+            raise self._error(name, f"window: {e.cause}") from None
         if mem.device != "cpu":
-            raise self._error(name, f"the window is on {mem.device}; windows expose host memory")
+            # Every engine channel writes into the window from host code (memcpy, CMA, the
+            # target's engine); no transport here reaches device memory, and a host shadow of
+            # it would be stale between a peer's put and any GPU read.
+            cuda = ", and put from / get into CUDA buffers, which windows stage through pinned host memory" \
+                if mem.device == "cuda" else ""
+            raise self._error(name, f"the window is on {mem.device}; windows expose host memory: pass a host "
+                                    "array (pinned for fast copies to and from a GPU, e.g. torch.empty(n, "
+                                    f"dtype=torch.uint8, pin_memory=True)) or c.window(nbytes){cuda}")
         return None, mem
 
     def _agree_arguments(self, op: str, cause: str | None) -> None:

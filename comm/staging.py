@@ -1,6 +1,6 @@
 """CUDA buffers without a CUDA transport: staged through pinned host memory.
 
-Two things live here:
+Three things live here:
 
 - Which transport CUDA buffers take (`cuda_transport`): nccl when it can run on every rank
   with a GPU of its own, else the CPU transport with staging. All ranks decide alike: each
@@ -12,6 +12,9 @@ Two things live here:
   (the CPU transport reads the copy at once), the host operation runs, and on completion the
   output is copied back and the stream synchronised again before completion is reported, so
   a caller that waited may read the result from any stream.
+- The same copies for one-sided windows (`WindowStaging`, used by comm.window): a put's CUDA
+  source is copied down before the host put starts; a get lands in a pinned block that the
+  flush completing it copies up.
 
 This sits above the transports (it asks their registry whether nccl can run, and posts to a
 CPU transport); the CUDA calls and the GPU records it shares with the nccl transport are in
@@ -88,6 +91,19 @@ class PinnedPool:
             _cudart.cudaFreeHost(ptr)
 
 
+def require_cuda() -> None:
+    """TransportUnavailable unless cuda-bindings loads and this process sees a CUDA device."""
+    if _cudart is None:
+        raise TransportUnavailable(NO_BINDINGS)
+    try:
+        err, count = _cudart.cudaGetDeviceCount()
+    except RuntimeError as e:   # cuda-bindings could not load a CUDA library
+        raise TransportUnavailable(f"CUDA cannot start in this process ({e})") from None
+    if err != _cudart.cudaError_t.cudaSuccess or count == 0:
+        why = f" ({_cudart.cudaGetErrorName(err)[1].decode()})" if err != _cudart.cudaError_t.cudaSuccess else ""
+        raise TransportUnavailable(f"CUDA reports no device in this process{why}")
+
+
 def _within(inner: Buffer, outer: Buffer) -> bool:
     return outer.ptr <= inner.ptr and inner.ptr + inner.nbytes <= outer.ptr + outer.nbytes
 
@@ -98,15 +114,7 @@ class Stager:
     def __init__(self, post, name: str):
         """`post(desc, blocking) -> Request` runs host operations; `name` is what it is, for the
         notice."""
-        if _cudart is None:
-            raise TransportUnavailable(NO_BINDINGS)
-        try:
-            err, count = _cudart.cudaGetDeviceCount()
-        except RuntimeError as e:   # cuda-bindings could not load a CUDA library
-            raise TransportUnavailable(f"CUDA cannot start in this process ({e})") from None
-        if err != _cudart.cudaError_t.cudaSuccess or count == 0:
-            why = f" ({_cudart.cudaGetErrorName(err)[1].decode()})" if err != _cudart.cudaError_t.cudaSuccess else ""
-            raise TransportUnavailable(f"CUDA reports no device in this process{why}")
+        require_cuda()
         self._post = post
         self._pool = PinnedPool()
         self._pending: list[StagedRequest] = []   # async operations not yet copied back
@@ -126,13 +134,10 @@ class Stager:
         for earlier in pending:
             earlier.wait(None)
         cuda = desc.recv if desc.recv is not None and desc.recv.device == "cuda" else desc.send
-        device = cuda.device_index
-        cuda_check(_cudart.cudaSetDevice(device), "cudaSetDevice")
-        stream = current_stream(device)
-        staged = _Staged(self._pool, device, stream)
+        staged = _Staged.on(self._pool, cuda)
         try:
             host = staged.down(desc)
-            cuda_check(_cudart.cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+            staged.synchronize()
             req = self._post(host, blocking)
         except BaseException:
             staged.release()
@@ -146,6 +151,42 @@ class Stager:
         self._pool.close()
 
 
+class WindowStaging:
+    """CUDA sources and destinations of one-sided puts and gets (comm.window) over windows of
+    host memory: a put's source is copied into a pinned block, synchronised, before the host
+    put starts from the block; a get lands in a block that the flush completing it copies up.
+    Each call returns its _Staged, which the window holds until that flush: back() then copies
+    a get's block to the GPU (synchronised) and gives the blocks back; abandon() after a
+    failure, when the transport may still touch them."""
+
+    def __init__(self):
+        require_cuda()
+        # many puts in flight before one flush is the KV-transfer pattern: keep their blocks
+        self._pool = PinnedPool(keep_per_size=32)
+        notice_once("CUDA buffers in windows are staged through pinned host memory (each put copies "
+                    "its source to the host first; each get is copied to the GPU by the flush that "
+                    "completes it)")
+
+    def put_source(self, src: Buffer) -> tuple[_Staged, Buffer]:
+        """(the staging, the host copy of `src`, already complete)."""
+        staged = _Staged.on(self._pool, src)
+        try:
+            host = staged._host(src, copy=True)
+            staged.synchronize()
+        except BaseException:
+            staged.release()
+            raise
+        return staged, host
+
+    def get_target(self, dst: Buffer) -> tuple[_Staged, Buffer]:
+        """(the staging, the host block the get lands in; back() copies it to `dst`)."""
+        staged = _Staged.on(self._pool, dst)
+        return staged, staged.output(dst)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
 class _Staged:
     """The pinned copies of one operation's CUDA buffers and the copy back of its output."""
 
@@ -153,6 +194,23 @@ class _Staged:
         self._pool, self._device, self._stream = pool, device, stream
         self._blocks: list[tuple[int, int]] = []
         self._out: tuple[Buffer, Buffer] | None = None   # (CUDA destination, host copy)
+
+    @classmethod
+    def on(cls, pool: PinnedPool, cuda: Buffer) -> "_Staged":
+        """Copies for an operation on `cuda`'s device, on the caller's current stream there."""
+        cuda_check(_cudart.cudaSetDevice(cuda.device_index), "cudaSetDevice")
+        return cls(pool, cuda.device_index, current_stream(cuda.device_index))
+
+    def synchronize(self) -> None:
+        """Wait for the copies queued so far (a host transport reads the copies at once)."""
+        cuda_check(_cudart.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+
+    def output(self, buf: Buffer, copy: bool = False) -> Buffer:
+        """The host copy of CUDA output `buf`, copied up by back() (down as well with `copy`:
+        an output that is also read)."""
+        host = self._host(buf, copy)
+        self._out = (buf, host)
+        return host
 
     def _host(self, buf: Buffer, copy: bool) -> Buffer:
         ptr, size = self._pool.take(buf.nbytes)
@@ -171,8 +229,7 @@ class _Staged:
         host_recv = host_send = None
         if recv is not None and recv.device == "cuda":
             inplace = send is not None and _within(send, recv)
-            host_recv = self._host(recv, copy=inplace)
-            self._out = (recv, host_recv)
+            host_recv = self.output(recv, copy=inplace)
             if inplace:
                 host_send = host_recv.view((send.ptr - recv.ptr) // send.dtype.itemsize, send.count)
         if send is not None and host_send is None:

@@ -20,6 +20,13 @@ put / get / flush try the transport's lean calls first (TransportWindow.put_lean
 the plain case (a numpy array or CPU tensor, exact ints in range) in one native call, moving
 nothing otherwise, and the full path below then checks, names the error or does the work.
 A lean put that completes inside the call (a mapped or CMA peer) leaves nothing to hold.
+
+CUDA sources and destinations (the serving case: prefill's KV blocks live on the GPU) are
+staged through pinned host memory, as CUDA buffers on the CPU transports' collectives are
+(comm.staging.WindowStaging; the lean calls take host arrays only and pass them by): put copies
+src down and synchronises before the host put starts, get lands in a pinned block that the
+flush (or fence, or close) completing it copies to dst before returning. The window's memory
+itself is host memory (Communicator.window refuses device memory).
 """
 from __future__ import annotations
 
@@ -46,6 +53,10 @@ class Window:
         self.rank, self.size = communicator.rank, communicator.size
         # peer -> buffers the engine may still read or write: let go at the flush that ends them
         self._held: dict[int, list] = {}
+        # peer -> the pinned copies (comm.staging._Staged) of CUDA buffers, likewise: that flush
+        # copies a get's block up to its CUDA destination, then gives the blocks back
+        self._staged: dict[int, list] = {}
+        self._cuda = None   # a comm.staging.WindowStaging from the first CUDA buffer on
         self._closed = False
         # The lean calls, unless the window's memory is a torch tensor (its resize check is
         # the full path's); None once closed.
@@ -145,9 +156,52 @@ class Window:
             buf = as_buffer(x, op=op, writable=writable)
         except InvalidArgument as e:
             raise self._error(op, f"{what}: {e.cause}") from None
-        if buf.device != "cpu":
-            raise self._error(op, f"{what} is on {buf.device}; windows move host memory (copy it to the CPU)")
+        if buf.device not in ("cpu", "cuda"):
+            raise self._error(op, f"{what} is on {buf.device}; windows move host memory and CUDA buffers "
+                                  "(copy it to the CPU)")
         return buf
+
+    def _stage(self, op: str, peer: int, buf: Buffer, what: str) -> Buffer:
+        """The pinned host copy of CUDA buffer `buf` (a put's src, copied down already, or a
+        get's dst) that the transport moves instead, held for `peer`'s next flush. Staging
+        is made on first use: TransportUnavailable, nothing moved and the communicator
+        intact, where this process cannot run CUDA (a CUDA call failing, likewise)."""
+        try:
+            if self._cuda is None:
+                from .staging import WindowStaging
+                self._cuda = WindowStaging()
+            staged, host = (self._cuda.put_source if what == "src" else self._cuda.get_target)(buf)
+        except CommError as e:
+            e.cause = f"{what} is a CUDA buffer, which windows stage through pinned host memory: {e.cause}"
+            raise e.locate(self.rank, op) from None
+        self._staged.setdefault(peer, []).append(staged)
+        return host
+
+    def _complete(self, op: str, peer: int | None) -> None:
+        """After a flush of `peer` (None: every peer) succeeded: its buffers are let go, and
+        its staged gets copied to their CUDA destinations (synchronised) before it returns."""
+        if peer is None:
+            self._held.clear()
+            staged = [s for per_peer in self._staged.values() for s in per_peer]
+            self._staged.clear()
+        else:
+            self._held.pop(peer, None)
+            staged = self._staged.pop(peer, ())
+        failed = None
+        for s in staged:   # every one is finished (its blocks go back) even if one fails
+            try:
+                s.back()
+            except CommError as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed.locate(self.rank, op)
+
+    def _abandon(self, peer: int | None) -> None:
+        """A flush failed: the transport may still read or write the pinned copies, so they
+        are never reused (as comm.staging does after a failed collective)."""
+        for p in list(self._staged) if peer is None else [peer]:
+            for s in self._staged.pop(p, ()):
+                s.abandon()
 
     def _failed(self, op: str, e: CommError) -> CommError:
         """A transport failure: the communicator is poisoned as for any other operation."""
@@ -160,8 +214,9 @@ class Window:
     # ---- one-sided operations ----------------------------------------------------------------
     def put(self, peer: int, src, offset: int = 0, *, signal: int | None = None) -> None:
         """Copy src's bytes into `peer`'s window at byte `offset` (non-blocking: src must not
-        change until flush). signal=k: once these bytes and everything this rank put to
-        `peer` before them have landed, the peer's counter k goes up by 1."""
+        change until flush; a CUDA src is copied to pinned host memory before put returns).
+        signal=k: once these bytes and everything this rank put to `peer` before them have
+        landed, the peer's counter k goes up by 1."""
         lean = self._put_lean
         if lean is not None and self._comm._failure is None and not self._comm._closed:
             try:
@@ -179,7 +234,10 @@ class Window:
         buf = self._buffer(op, src, False, "src")
         off = self._range(op, p, offset, buf.nbytes)
         k = -1 if signal is None else self._signal_index(op, signal)
-        self._held.setdefault(p, []).append(buf)
+        if buf.device == "cuda":
+            buf = self._stage(op, p, buf, "src")
+        else:
+            self._held.setdefault(p, []).append(buf)
         try:
             self._tw.put(p, buf, off, k)
         except CommError as e:
@@ -187,7 +245,8 @@ class Window:
 
     def get(self, peer: int, dst, offset: int = 0) -> None:
         """Read len(dst) bytes of `peer`'s window from byte `offset` into dst (non-blocking:
-        dst holds them after flush)."""
+        dst holds them after flush; a CUDA dst is written by that flush, from pinned host
+        memory)."""
         lean = self._get_lean
         if lean is not None and self._comm._failure is None and not self._comm._closed:
             try:
@@ -204,7 +263,10 @@ class Window:
         p = self._peer(op, peer)
         buf = self._buffer(op, dst, True, "dst")
         off = self._range(op, p, offset, buf.nbytes)
-        self._held.setdefault(p, []).append(buf)
+        if buf.device == "cuda":
+            buf = self._stage(op, p, buf, "dst")
+        else:
+            self._held.setdefault(p, []).append(buf)
         try:
             self._tw.get(p, buf, off)
         except CommError as e:
@@ -217,25 +279,21 @@ class Window:
             try:
                 done = lean(peer)
             except Exception as e:
+                self._abandon(None)
                 raise self._lean_failed("flush", e) from None
             if done:
-                if self._held:
-                    if peer is None:
-                        self._held.clear()
-                    else:
-                        self._held.pop(peer, None)
+                if self._held or self._staged:
+                    self._complete("flush", peer)
                 return
         op = "flush"
         self._usable(op)
-        p = -1 if peer is None else self._peer(op, peer)
+        p = None if peer is None else self._peer(op, peer)
         try:
-            self._tw.flush(p)
+            self._tw.flush(-1 if p is None else p)
         except CommError as e:
+            self._abandon(p)
             raise self._failed(op, e) from None
-        if p < 0:
-            self._held.clear()
-        else:
-            self._held.pop(p, None)
+        self._complete(op, p)
 
     def wait_signal(self, k: int, value: int, *, timeout: float | None = None) -> None:
         """Block until this rank's counter k is at least `value` (Timeout after `timeout`
@@ -282,7 +340,7 @@ class Window:
         op = "fence"
         self._usable(op)
         self._collective(op)
-        self._held.clear()
+        self._complete(op, None)
 
     def _collective(self, op: str) -> None:
         """The transport's fence, as one collective of the communicator (one at a time)."""
@@ -292,6 +350,7 @@ class Window:
         try:
             self._tw.fence()
         except CommError as e:
+            self._abandon(None)
             raise self._failed(op, e) from None
         finally:
             c._busy.release()
@@ -308,6 +367,7 @@ class Window:
             return
         try:
             self._collective(op)
+            self._complete(op, None)
         finally:
             self._set_closed()
             self._tw.close()
@@ -316,4 +376,8 @@ class Window:
         self._closed = True
         self._put_lean = self._get_lean = self._flush_lean = self._wait_lean = None
         self._held.clear()
+        self._abandon(None)   # left only where no fence completed them (a failure)
+        if self._cuda is not None:
+            self._cuda.close()   # the blocks given back; abandoned ones stay allocated
+            self._cuda = None
         self._mem = None   # an allocated window's memory goes with the last array over it

@@ -141,3 +141,60 @@ def ddp_staged(rank: int, size: int) -> float:
     finally:
         dist.destroy_process_group()
 
+
+
+def window_staged(world, allocated: bool) -> tuple[list[str], str]:
+    """One-sided windows with CUDA sources and destinations (staged through pinned host
+    memory), two ranks on the one GPU: puts from CUDA tensors with signals, many in flight,
+    one produced on a side stream; gets into CUDA tensors completed by flush, fence and close;
+    every byte checked on the GPU. The window is host memory: pinned (torch), or the library's
+    (allocated). A CUDA window is refused on both ranks when one rank passes it."""
+    import numpy as np
+    import torch
+
+    import comm
+    torch.cuda.set_device(0)
+    r, peer = world.rank, 1 - world.rank
+    block, blocks = 64 << 10, 24
+
+    def pattern(rank: int, i: int):
+        return ((torch.arange(block, device="cuda", dtype=torch.int64) * 7 + 31 * rank + i) % 251).to(torch.uint8)
+
+    try:
+        world.window(torch.zeros(64, dtype=torch.uint8, device="cuda") if r == 1 else np.zeros(64, np.uint8))
+        raise AssertionError("a CUDA window was made")
+    except comm.InvalidArgument as e:
+        assert ("windows expose host memory" in str(e)) if r == 1 else ("rank 1 refused" in str(e)), e
+    size = block * blocks + 4096                              # the blocks, then the side stream's put
+    w = world.window(size if allocated else torch.zeros(size, dtype=torch.uint8, pin_memory=True), signals=4)
+    mem = torch.from_numpy(w.buffer) if allocated else w.buffer
+    for i in range(blocks):                                   # many in flight, a signal each
+        w.put(peer, pattern(r, i), i * block, signal=1)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):                             # staging follows the current stream:
+        late = pattern(r, 99) * 1                             # produced by a kernel on `side`, not
+        w.put(peer, late[:4096], size - 4096, signal=2)       # synchronised by the caller
+    w.wait_signal(1, blocks)
+    w.wait_signal(2, 1)
+    got = mem.cuda()
+    for i in range(blocks):
+        assert torch.equal(got[i * block:(i + 1) * block], pattern(peer, i)), f"put block {i}"
+    assert torch.equal(got[size - 4096:], pattern(peer, 99)[:4096]), "put from the side stream"
+    w.flush()
+    world.barrier()
+    dst = torch.zeros(2 * block, dtype=torch.uint8, device="cuda")
+    w.get(peer, dst, 3 * block)                               # peer's window holds my blocks
+    w.flush(peer)
+    assert torch.equal(dst, torch.cat([pattern(r, 3), pattern(r, 4)])), "get completed by flush"
+    with torch.cuda.stream(side):
+        by_fence = torch.zeros(block, dtype=torch.uint8, device="cuda")
+        w.get(peer, by_fence, 5 * block)
+    w.fence()
+    assert torch.equal(by_fence, pattern(r, 5)), "get completed by fence (read on another stream)"
+    by_close = torch.zeros(block, dtype=torch.uint8, device="cuda")
+    w.get(peer, by_close, 6 * block)
+    path = w._tw.paths[peer]
+    w.close()
+    assert torch.equal(by_close, pattern(r, 6)), "get completed by close"
+    from comm import gpu
+    return [n for n in gpu._noticed if "windows are staged" in n], path

@@ -8,7 +8,8 @@ Sections (each check prints PASS, FAIL or NOT RUN with the reason; a summary end
 2. The torch backend "comm": CUDA tensors at world size 1 via NCCL (Work.wait orders the
    current stream without blocking the host, synchronize blocks, futures carry the device);
    at world size 2 via the staged path (both ranks on the one GPU); DDP at 2 ranks staged.
-3. comm's API on CUDA tensors over the native transport (staged), two ranks.
+3. comm's API on CUDA tensors over the native transport (staged), two ranks; then one-sided
+   windows with CUDA sources and destinations (staged) over native CMA, shm messages and TCP.
 4. CUDA-array-interface (CuPy when installed, else a bare interface) and DLPack inputs.
 5. The verbs transport: what its discovery sees (ports, GIDs), and a two-rank run (CUDA
    tensors staged as on every host-memory transport) when an RDMA port is active, and a
@@ -92,9 +93,9 @@ def _watchdog() -> None:
     os._exit(1)
 
 
-def _run_ranks(fn, n: int, **kw):
+def _run_ranks(fn, n: int, *args, **kw):
     from harness import run_ranks
-    return run_ranks(fn, n, timeout=90, **kw)
+    return run_ranks(fn, n, *args, timeout=90, **kw)
 
 
 # ---- header ------------------------------------------------------------------------------------------
@@ -369,6 +370,24 @@ def section_comm_staged() -> None:
     check("comm API on CUDA tensors over native (staged), two ranks", lambda: _run_ranks(comm_staged, 2))
 
 
+def section_window_staged() -> None:
+    name = "window put / get with CUDA tensors over native (staged): CMA, shm messages, TCP"
+    reason = cuda_reason()
+    if reason is not None:
+        return not_run(name, reason)
+    from ranks import window_staged
+    # the window paths of one host (CMA into a pinned tensor, a store into a mapped allocated
+    # window, messages on the shm rings) and TCP
+    for label, env, allocated in (("CMA", {}, False), ("mapped", {}, True),
+                                  ("shm messages", {"COMM_CMA": "0"}, False), ("TCP", {"COMM_CHANNELS": "tcp"}, False)):
+        def windows(env=env, allocated=allocated):
+            got = _run_ranks(window_staged, 2, allocated, env=env)
+            assert all(len(notices) == 1 for notices, _ in got), got   # the staging was said
+            print(f"    path to the peer's window per rank: {[path for _, path in got]}", flush=True)
+        check(f"window put / get with CUDA tensors over native {label} (staged), window "
+              f"{'allocated' if allocated else 'pinned torch'}, two ranks", windows)
+
+
 # ---- CUDA-array-interface and DLPack inputs ------------------------------------------------------------
 class BareCAI:
     """Only __cuda_array_interface__ (what CuPy and Numba arrays offer), over a torch tensor."""
@@ -452,7 +471,8 @@ def section_self_test_hang() -> None:
 
 
 SECTIONS = ((section_self_test_hang,) if os.environ.get("DEVICE_CHECK_SELF_TEST") == "hang" else ()) + (
-    section_nccl, section_torch_backend, section_comm_staged, section_array_inputs, section_verbs)
+    section_nccl, section_torch_backend, section_comm_staged, section_window_staged, section_array_inputs,
+    section_verbs)
 
 
 def run_section(name: str) -> int:
