@@ -3,13 +3,15 @@
 // as local rank 0 measures them (cma.cc's local_all_reduce runs the choice).
 //
 // Why measured and not a table: the two trade places with where the ranks' cores sit.
-// Where two cores share their caches the ring ran 2.5-3x cma (2 ranks, 256 KiB-4 MiB: 13-16
-// against 4-6 GB/s busbw), its memcpys being 4x the kernel's copies; where they do not, each
-// ring copy reads lines the other core has just written and cma ran 1.5x the ring (select.cc).
-// A virtual machine's cores move between the two for minutes at a time, and nothing the op or
-// the topology says tells which holds.
+// Where two cores share their caches the ring ran 1.2-1.5x cma (2 ranks, 256 KiB-4 MiB, in
+// place, one run: 12.8-15.3 against 10.1-11.4 GB/s busbw), its memcpys running at 4x the
+// kernel's copies in process_vm_readv / writev (47 against 12 GB/s for 1 MiB here); where
+// they do not, each ring copy reads lines the other core has just written: in such a window
+// the ring fell to 2 GB/s while cma kept 7-10. A virtual machine's cores move between the
+// two for minutes at a time, and nothing the op or the topology says tells which holds.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 
@@ -17,34 +19,58 @@ namespace comm {
 
 class LocalTuner {
  public:
-  enum Choice : uint32_t { CMA = 0, RING = 1, kChoices = 2 };
+  enum Choice : uint32_t { CMA = 0, RING = 1 };
+
+  // The sizes it chooses for: from cma's threshold (select.cc) to kMaxBytes, where the ring
+  // leads while the cores share their caches. From there cma leads either way (16 MiB:
+  // 8.2 against 9.7 GB/s at the best of times).
+  static constexpr size_t kMaxBytes = 8 << 20;
 
   // What the next all_reduce of `bytes` runs (local rank 0 asks; it tells the others).
   Choice choose(size_t bytes) {
     Class& k = classes_[size_class(bytes)];
-    k.calls++;
-    // Each twice at first: a first run pays page faults and cold channels.
-    for (uint32_t a = 0; a < kChoices; a++)
-      if (k.samples[a] < 2) return static_cast<Choice>(a);
-    const Choice best = k.ns_per_byte[RING] < k.ns_per_byte[CMA] ? RING : CMA;
-    // Now and then the other, so a change of the machine's mood is seen (at most 1/32 of
-    // the calls run the slower one).
-    return k.calls % kExploreEvery == 0 ? static_cast<Choice>(1 - best) : best;
+    if (k.burst_left == 0 && (k.est[CMA] == 0 || ++k.calls % kExploreEvery == 0)) {
+      k.burst = k.current == RING ? CMA : RING;   // the other, measured now and then
+      k.burst_left = kBurst;
+      k.burst_best = 0;
+      k.bursting = true;
+    }
+    if (k.burst_left > 0) {
+      k.burst_left--;
+      return k.burst;
+    }
+    return k.current;
   }
 
-  // How long that all_reduce took. The choice's estimate follows its recent runs; a run of
-  // the other replaces its estimate outright (it is seldom measured, so its old value says
-  // little about now).
+  // How long that all_reduce took.
   void record(size_t bytes, Choice a, double ns) {
     Class& k = classes_[size_class(bytes)];
     const double v = ns / static_cast<double>(bytes ? bytes : 1);
-    const bool current = k.samples[a] >= 2 && a == (k.ns_per_byte[RING] < k.ns_per_byte[CMA] ? RING : CMA);
-    k.ns_per_byte[a] = current ? 0.5 * k.ns_per_byte[a] + 0.5 * v : v;
-    k.samples[a]++;
+    const bool warm = k.last == a;
+    k.last = a;
+    if (k.bursting && a == k.burst) {
+      // A burst's first half is not counted: the first runs after the other algorithm are
+      // cold, at up to a third of the speed of later ones (its buffers hold the caches); of
+      // the rest the best, so one hiccup of the machine cannot decide. The last call of the
+      // burst (burst_left 0) sets the estimate.
+      if (k.burst_left < kBurst / 2) k.burst_best = k.burst_best == 0 ? v : std::min(k.burst_best, v);
+      if (k.burst_left == 0) {
+        k.est[a] = k.burst_best;
+        k.bursting = false;
+      }
+    } else if (a == k.current && warm) {
+      // The current choice follows its recent runs; a single slow run moves it by a
+      // quarter, at most doubling its share.
+      k.est[a] = k.est[a] == 0 ? v : 0.75 * k.est[a] + 0.25 * std::min(v, 2 * k.est[a]);
+    }
+    // The ring unless cma is clearly ahead: a margin, so noise between two close ones does
+    // not flip it (where the cores do not share their caches the ring falls behind by 3-5x).
+    if (k.est[CMA] > 0 && k.est[RING] > 0) k.current = k.est[RING] > kMargin * k.est[CMA] ? CMA : RING;
   }
 
  private:
-  static constexpr uint32_t kExploreEvery = 32;
+  static constexpr uint32_t kExploreEvery = 128, kBurst = 4;
+  static constexpr double kMargin = 1.25;
   static constexpr int kClasses = 48;  // one per power of two of the payload
   static int size_class(size_t bytes) {
     int c = 0;
@@ -52,9 +78,12 @@ class LocalTuner {
     return c;
   }
   struct Class {
-    double ns_per_byte[kChoices] = {};
-    uint32_t samples[kChoices] = {};
-    uint32_t calls = 0;
+    double est[2] = {};                  // ns per byte; 0: not measured yet
+    Choice current = RING, burst = CMA;
+    uint32_t calls = 0, burst_left = 0;
+    bool bursting = false;
+    double burst_best = 0;
+    int last = -1;                       // what the last call of this size ran
   };
   Class classes_[kClasses];
 };

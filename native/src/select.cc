@@ -74,7 +74,7 @@ constexpr size_t kRdMaxBytes = 64 << 10;
 // quarter of their speed for minutes at a time (a2a.cc), while cma's reads do not: in such a
 // window all_gather_v's ring was 2-3x behind cma at 64 KiB-4 MiB, outside one 10-20% ahead,
 // and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9), as on 2026-12-07
-// (2 MiB 15.7 / 5.1). For the gathers cma is the choice that is never slow; all_reduce, where
+// (2 MiB 15.2 / 10.3; 8 MiB 11.5 / 12.7, 16 MiB 8.4 / 9.3). For the gathers cma is the choice that is never slow; all_reduce, where
 // the ring leads by more in the good windows, measures which is faster now ("tuned",
 // local_tuner.h).
 // broadcast (cma ahead at 64 KiB-1 MiB, behind at 4 MiB) and all_to_all (even) keep 8 MiB.
@@ -115,7 +115,10 @@ const Row& automatic(const Comm& c, const Coll& op) {
   const Row* row = nullptr;
   if (c.opt.algo != kFlat) row = find("twolevel", c, op);
   if (!row && bytes <= c.opt.direct_max_bytes) row = find("direct", c, op);
-  if (!row && bytes >= cma_min_bytes(op.kind)) row = find(op.kind == OpKind::ALL_REDUCE ? "tuned" : "cma", c, op);
+  if (!row && bytes >= cma_min_bytes(op.kind)) {
+    const bool tuned = op.kind == OpKind::ALL_REDUCE && bytes < LocalTuner::kMaxBytes;
+    row = find(tuned ? "tuned" : "cma", c, op);
+  }
   if (!row && op.kind == OpKind::ALL_REDUCE && bytes <= kRdMaxBytes) row = find("rd", c, op);
   if (!row) {
     // The remaining rows of each kind are in order of preference and always fit.
