@@ -142,7 +142,6 @@ void local_all_reduce(Comm& c, const Coll& op) {
                    std::chrono::duration<double, std::nano>(Clock::now() - start).count());
 }
 
-
 void cma_reduce_scatter(Comm& c, const Coll& op) {
   const auto peers = exchange_addresses(c, op, op.count * c.size * op.elem);
   const size_t mine = c.rank * op.count * op.elem;

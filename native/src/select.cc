@@ -73,10 +73,10 @@ constexpr size_t kRdMaxBytes = 64 << 10;
 // read lines the other core has just written, and on this shared machine they run at a
 // quarter of their speed for minutes at a time (a2a.cc), while cma's reads do not: in such a
 // window all_gather_v's ring was 2-3x behind cma at 64 KiB-4 MiB, outside one 10-20% ahead,
-// and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9), as on 2026-12-07
-// (2 MiB 15.2 / 10.3; 8 MiB 11.5 / 12.7, 16 MiB 8.4 / 9.3). For the gathers cma is the choice that is never slow; all_reduce, where
-// the ring leads by more in the good windows, measures which is faster now ("tuned",
-// local_tuner.h).
+// and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9), as on
+// 2026-12-07 (2 MiB 15.2 / 10.3; 8 MiB 11.5 / 12.7, 16 MiB 8.4 / 9.3). For the gathers cma
+// is the choice that is never slow; all_reduce below 8 MiB, where the ring leads by more in
+// the good windows, measures which is faster now ("tuned", local_tuner.h).
 // broadcast (cma ahead at 64 KiB-1 MiB, behind at 4 MiB) and all_to_all (even) keep 8 MiB.
 size_t cma_min_bytes(OpKind kind) {
   switch (kind) {
