@@ -254,17 +254,17 @@ def test_each_size_measures_every_transport_once_per_repetition_in_turn():
 
 @pytest.mark.skipif(not HAVE_TORCH, reason="compares with gloo (torch)")
 def test_runs_interleave_the_transports_at_each_size(tmp_path):
-    """--runs 3: every transport stays up, and each size measures native and gloo three times
-    each, alternating, before the next size (JSON results are in measurement order); the
-    tables and the comparison are the medians of those repetitions."""
+    """--runs 3: every transport stays up; each repetition is a pass over the sizes, and at each
+    size it measures native and gloo once each, in turns (JSON results are in measurement
+    order); the tables and the comparison are the medians of those repetitions."""
     js = tmp_path / "r.json"
     rc, text = _run(["all_reduce", "-b", "8", "-e", "1K", "-f", "128", "-n", "2", "-w", "1", "--runs", "3",
                      "--transport", "native,gloo", "--json", str(js)])
     assert rc == 0, text
     doc = json.loads(js.read_text())
     assert [(r["size_bytes"], r["run"], r["transport"]) for r in doc["results"]] == [
-        (size, run, t) for size in (8, 1024) for run, t in
-        ((0, "native"), (0, "gloo"), (1, "gloo"), (1, "native"), (2, "native"), (2, "gloo"))]
+        (size, run, t) for run, turn in enumerate((("native", "gloo"), ("gloo", "native"), ("native", "gloo")))
+        for size in (8, 1024) for t in turn]
     assert doc["settings"]["runs"] == 3
     assert [t["name"] for t in doc["transports"]] == ["native", "gloo"]
     heads = [line for line in text.splitlines() if line.startswith("# Transport: ")]
