@@ -75,12 +75,13 @@ constexpr size_t kRdMaxBytes = 64 << 10;
 // window all_gather_v's ring was 2-3x behind cma at 64 KiB-4 MiB, outside one 10-20% ahead,
 // and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9), as on
 // 2026-12-07 (2 MiB 15.2 / 10.3; 8 MiB 11.5 / 12.7, 16 MiB 8.4 / 9.3). For the gathers cma
-// is the choice that is never slow; all_reduce below 8 MiB, where the ring leads by more in
-// the good windows, measures which is faster now ("tuned", local_tuner.h).
+// is the choice that is never slow; all_reduce above rd's sizes and below 8 MiB, where the
+// ring leads by more in the good windows, measures which is faster now ("tuned",
+// local_tuner.h): in a bad window the ring fell to 2.2 GB/s at 64-256 KiB, cma kept 5.7-9.4.
 // broadcast (cma ahead at 64 KiB-1 MiB, behind at 4 MiB) and all_to_all (even) keep 8 MiB.
 size_t cma_min_bytes(OpKind kind) {
   switch (kind) {
-    case OpKind::ALL_REDUCE: return 256 << 10;
+    case OpKind::ALL_REDUCE: return kRdMaxBytes + 1;   // tuned: ring or cma, from where rd stops
     case OpKind::REDUCE_SCATTER:
     case OpKind::REDUCE_SCATTER_V:
     case OpKind::ALL_GATHER:
