@@ -19,6 +19,18 @@ pytest.importorskip("comm._native", reason="the native engine is not built")
 ODD_COUNTS = (0, 1, 3, 17, 255, 257, 1000, 65_537)
 
 
+def _against(exact, got, allowed, scale=1.0) -> tuple[bool, float]:
+    """(NaNs and infinities of `got` where `exact` has them, the worst excess of |got - exact| x
+    scale over the bound allowed() at the finite elements: below 0 is within it). Overflow and
+    NaN arithmetic are expected here: the inputs hold infinities and NaNs on purpose."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(exact)
+        specials = (np.array_equal(np.isnan(got), np.isnan(exact))
+                    and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
+        over = (np.abs(got.astype(np.float64) - exact) * scale - allowed())[finite]
+    return specials, float(over.max(initial=-1.0))
+
+
 def odd_inputs(rank: int, n: int, count: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed * 1000 + rank)
     x = (rng.standard_normal(count) * np.exp(rng.uniform(-20, 20, count))).astype(np.float32)
@@ -46,13 +58,9 @@ def odd_sizes_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dic
         same = np.empty(n * count, np.float32)
         world.all_gather(same, got)
         identical = all(np.array_equal(same[q * count:(q + 1) * count], got, equal_nan=True) for q in range(n))
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(exact)
-            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
-                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
-            over = (np.abs(got.astype(np.float64) - exact)
-                    - bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0), block_max(xs, block)))[finite]
-        res[count] = (identical, specials, float(over.max(initial=-1.0)))
+        specials, over = _against(exact, got, lambda: bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0),
+                                                            block_max(xs, block)))
+        res[count] = (identical, specials, over)
     # two posted back to back, waited in reverse: each its own result
     a = np.full(4099, r + 1, np.float32)
     b = np.full(4099, 10.0 * (r + 1), np.float32)
@@ -105,13 +113,9 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         world.reduce_scatter(got, x, op, compress=fmt, async_op=True).wait()
         res["algorithms"].add(world._transport._engine.last_algorithm)
         scale = n if op is comm.AVG else 1
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(exact)
-            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
-                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
-            over = (np.abs(got.astype(np.float64) - exact) * scale
-                    - bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0), block_max(xs, block)))[finite]
-        res[f"reduce_scatter {count}"] = (True, specials, float(over.max(initial=-1.0)))
+        specials, over = _against(exact, got, lambda: bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0),
+                                                            block_max(xs, block)), scale)
+        res[f"reduce_scatter {count}"] = (True, specials, over)
         # all_gather: each shard quantized once, every rank the same bits
         y = odd_inputs(r, n, count, seed + 50)
         ys = np.empty(n * count, np.float32)
@@ -122,14 +126,10 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         same = np.empty(n * n * count, np.float32)
         world.all_gather(same, ag)
         identical = all(np.array_equal(same[q * n * count:(q + 1) * n * count], ag, equal_nan=True) for q in range(n))
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(ys)
-            specials = (np.array_equal(np.isnan(ag), np.isnan(ys))
-                        and np.array_equal(ag[np.isinf(ys)], ys[np.isinf(ys)]))
-            bm = np.concatenate([block_max(ys[None, q * count:(q + 1) * count], block) for q in range(n)])
-            # one quantization: half the bound of a sum of one
-            over = (np.abs(ag.astype(np.float64) - ys) - 0.5 * bound(fmt, 1, np.abs(ys.astype(np.float64)), bm))[finite]
-        res[f"all_gather {count}"] = (identical, specials, float(over.max(initial=-1.0)))
+        # one quantization: half the bound of a sum of one
+        specials, over = _against(ys, ag, lambda: 0.5 * bound(fmt, 1, np.abs(ys.astype(np.float64)), np.concatenate(
+            [block_max(ys[None, q * count:(q + 1) * count], block) for q in range(n)])))
+        res[f"all_gather {count}"] = (identical, specials, over)
         # the v forms: blocks of different sizes, one empty (not one whose place a host's
         # symmetry would hide: rank 2 of 4 holds the cyclic placement's third block)
         counts = [0 if q == n - 2 else count + 7 * q for q in range(n)]
@@ -142,13 +142,9 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         world.reduce_scatter_v(exact, v, counts)
         world.reduce_scatter_v(got, v, counts, compress=fmt, async_op=True).wait()
         res["algorithms"].add(world._transport._engine.last_algorithm)
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(exact)
-            specials = (np.array_equal(np.isnan(got), np.isnan(exact))
-                        and np.array_equal(got[np.isinf(exact)], exact[np.isinf(exact)]))
-            over = (np.abs(got.astype(np.float64) - exact)
-                    - bound(fmt, n, np.abs(mine.astype(np.float64)).sum(axis=0), block_max(mine, block)))[finite]
-        res[f"reduce_scatter_v {count}"] = (True, specials, float(over.max(initial=-1.0)))
+        specials, over = _against(exact, got, lambda: bound(fmt, n, np.abs(mine.astype(np.float64)).sum(axis=0),
+                                                            block_max(mine, block)))
+        res[f"reduce_scatter_v {count}"] = (True, specials, over)
         w = v[:counts[r]]
         want, agv = np.empty(int(starts[-1]), np.float32), np.empty(int(starts[-1]), np.float32)
         world.all_gather_v(want, w, counts)
@@ -157,14 +153,9 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         same = np.empty(n * agv.size, np.float32)
         world.all_gather(same, agv)
         identical = all(np.array_equal(same[q * agv.size:(q + 1) * agv.size], agv, equal_nan=True) for q in range(n))
-        with np.errstate(invalid="ignore", over="ignore"):
-            finite = np.isfinite(want)
-            specials = (np.array_equal(np.isnan(agv), np.isnan(want))
-                        and np.array_equal(agv[np.isinf(want)], want[np.isinf(want)]))
-            bm = np.concatenate([block_max(want[None, starts[q]:starts[q + 1]], block) for q in range(n)])
-            over = (np.abs(agv.astype(np.float64) - want)
-                    - 0.5 * bound(fmt, 1, np.abs(want.astype(np.float64)), bm))[finite]
-        res[f"all_gather_v {count}"] = (identical, specials, float(over.max(initial=-1.0)))
+        specials, over = _against(want, agv, lambda: 0.5 * bound(fmt, 1, np.abs(want.astype(np.float64)), np.concatenate(
+            [block_max(want[None, starts[q]:starts[q + 1]], block) for q in range(n)])))
+        res[f"all_gather_v {count}"] = (identical, specials, over)
     # float64 data (converted around the engine), premultiplied
     z = np.random.default_rng(r).standard_normal(n * 1000)
     zs = np.empty(n * z.size)
