@@ -7,10 +7,10 @@ compares two machines (native once read 0.2-0.4x Open MPI at 256 KiB-4 MiB in on
 and at each size each of --runs repetitions measures every transport once, the order rotated
 by one per repetition (`order`): the cells compared at one size are measured within a second or
 two of each other. The repetitions are passes over all the sizes, one after the other, so the
-repetitions of one size lie seconds apart: a burst of a second or two (as often as every few
-minutes here) hits one of them, and the median drops it. With the repetitions of a size back to
-back, one such burst took all three of one transport's at a size (native at 2 MiB: 0.88x Open
-MPI in one clean-clone run, 1.36-1.45x in the five others).
+repetitions of one size lie seconds apart: a burst of a second or two hits one of them, and
+the median drops it. With the repetitions of a size back to back, two of native's three at
+2 MiB once fell together (0.88x Open MPI in that clean-clone run, 1.36-1.45x in five others).
+A slow phase longer than the sweep still shows (isolated sizes below 1 in some runs since).
 """
 from __future__ import annotations
 
