@@ -93,9 +93,7 @@ class Gathers:
         # a watched uid that left before this member got here wakes nobody again: ask now
         answer = self._verdict(uid, watch)
         if answer is not None:
-            del g.waiting[sock]
-            g.wants.pop(sock, None)
-            self._queue(sock, *answer)
+            self._answer_early(g, sock, answer)
             self._poke()
             return None
         if deadline < self._next_sweep:
@@ -163,11 +161,15 @@ class Gathers:
                 if answer is None:
                     self._next_sweep = min(self._next_sweep, deadline)
                     continue
-                del g.waiting[s]
-                g.wants.pop(s, None)
-                self._queue(s, *answer)
+                self._answer_early(g, s, answer)
             if not g.waiting:   # nobody waits for it any more: the host forgets it
                 del self._open[key]
+
+    def _answer_early(self, g: _Gather, sock, answer: tuple[int, bytes]) -> None:
+        """With the lock held: sock waits for gather `g` no more; `answer` is what it gets."""
+        del g.waiting[sock]
+        g.wants.pop(sock, None)
+        self._queue(sock, *answer)
 
     def _writer(self) -> None:
         while True:

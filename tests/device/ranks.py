@@ -142,7 +142,6 @@ def ddp_staged(rank: int, size: int) -> float:
         dist.destroy_process_group()
 
 
-
 def window_staged(world, allocated: bool) -> tuple[list[str], str]:
     """One-sided windows with CUDA sources and destinations (staged through pinned host
     memory), two ranks on the one GPU: puts from CUDA tensors with signals, many in flight,
