@@ -8,8 +8,8 @@ import socket
 import subprocess
 import sys
 
-from comm import config
-from comm.types import DType, ReduceOp, op_allowed
+from comm.core import config
+from comm.core.types import DType, ReduceOp, op_allowed
 from transports import base
 
 from . import cluster, report

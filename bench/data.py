@@ -13,7 +13,7 @@ import functools
 
 import numpy as np
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
 PREMUL_FACTOR = 0.5   # the factor of "mulsum" (PREMUL_SUM); a power of two keeps it exact
 SENTINEL = 99         # what an output buffer holds before the operation writes it

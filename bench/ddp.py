@@ -76,7 +76,7 @@ def measure(n: int = 2, steps: int = 50, warmup: int = 5, rounds: int = 3, width
             depth: int = 4, timeout: float = 600) -> dict:
     """Launch n ranks on this host; returns seconds per step for "gloo" and "comm", and the
     ratio comm / gloo."""
-    from comm.rendezvous import free_port
+    from comm.bootstrap.rendezvous import free_port
     port = free_port()
     argv = [sys.executable, "-m", "bench.ddp", "--rank-worker", "--steps", str(steps), "--warmup", str(warmup),
             "--rounds", str(rounds), "--width", str(width), "--depth", str(depth)]

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from comm import rendezvous
+from comm.bootstrap import rendezvous
 
 _RANK = r"""
 import os, sys, time, numpy as np, comm

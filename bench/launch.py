@@ -1,13 +1,13 @@
 """Where the ranks come from, and the control channel the benchmark itself uses.
 
 Launchers: mpirun (Open MPI, MPICH/Hydra), torchrun, Slurm srun -- all read through
-comm.rendezvous.detect() -- and self-launch: `python -m bench --np N ...` starts N local ranks
+comm.bootstrap.rendezvous.detect() -- and self-launch: `python -m bench --np N ...` starts N local ranks
 with torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free port) and a
 fresh COMM_SECRET. When mpi-raw is among the transports and an mpirun is found (next to this
 Python first, then on PATH), self-launch starts the ranks under that mpirun instead, so the MPI
 anchor runs too; --no-mpirun keeps plain processes (mpi-raw then reports "needs mpirun").
 
-The control channel is a comm.store.Store hosted by rank 0 on MASTER_PORT (under torchrun, whose
+The control channel is a comm.bootstrap.store.Store hosted by rank 0 on MASTER_PORT (under torchrun, whose
 agent already serves a store there, that store): timings, #wrong
 and errors are gathered through it, never through the transport being measured, and every
 transport gets a fresh port from it for its own rendezvous.
@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from comm import config, rendezvous
+from comm.core import config
+from comm.bootstrap import rendezvous
 
 MPI_LAUNCHERS = ("openmpi", "hydra")
 
@@ -89,7 +90,7 @@ class Control:
     """
 
     def __init__(self, world: World, timeout: float):
-        from comm.store import Store
+        from comm.bootstrap.store import Store
         secret = config.get("COMM_SECRET")
         self.world = world
         self._seq = 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
 from .benchmarks import Benchmark, Params
 from .launch import Control, StepFailed

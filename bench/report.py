@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
 from .measure import AVERAGES, Row
 

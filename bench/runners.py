@@ -27,7 +27,7 @@ import warnings
 
 import numpy as np
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
 from .windows import ONE_SIDED, CommWindows, MemcpyWindows, MpiWindows, P2PWindows
 
@@ -121,7 +121,7 @@ class CommRunner(CommWindows, Runner):
         if bench in ("all_to_all", "all_to_all_v", "sendrecv") and in_place:
             return "out-of-place only"
         if bench in ("all_gather_v", "reduce_scatter_v"):
-            from comm.ops import OpKind
+            from comm.core.ops import OpKind
             from transports import base
             if OpKind[bench.upper()] not in base.get(self.name).kinds:
                 return f"transport {self.name} has no {bench}"
@@ -473,7 +473,7 @@ class P2PRunner(P2PWindows, CommRunner):
     kind = "anchor"
 
     def __init__(self):
-        from comm import config
+        from comm.core import config
         super().__init__("comm-p2p")
         self.transport = config.get("COMM_TRANSPORT")
 

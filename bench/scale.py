@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 
-from comm import rendezvous
+from comm.bootstrap import rendezvous
 
 from .launch import _child_env
 
@@ -225,7 +225,7 @@ def summarize(results: list[dict], hosts: int, per_host: int, transport: str, wh
     for r in results:
         for kind, w in r["wrong"].items():
             kinds[kind] = kinds.get(kind, 0) + w
-    # below comm.store_process.OWN_PROCESS_FROM ranks, rank 0's process hosts the rendezvous
+    # below comm.bootstrap.store_process.OWN_PROCESS_FROM ranks, rank 0's process hosts the rendezvous
     # store (as torch's TCPStore): one socket per rank, its own column
     others = [r for r in results if r["rank"] != 0] or results
     row.update(start_s=worst["start_s"], init_s=worst["ready_s"],

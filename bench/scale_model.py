@@ -11,7 +11,7 @@ Fitted from real runs (bench/scale_rank.py --sweep), the best of 30 each: an all
 ranks of one host and of two ranks on two hosts, 8 B - 16 MiB (pair_steps: the steps of the
 algorithm that runs at each size); beta the slope between the two largest sizes, alpha from
 those up to 1 KiB (fit_robust); a real
-comm.store.Store on loopback, hammered by clients in another process, gives c_req and
+comm.bootstrap.store.Store on loopback, hammered by clients in another process, gives c_req and
 beta_store. Checked: all_reduce and all_to_all at several sizes on the shapes that ran, model
 next to measurement (the ratio says how far to trust the extrapolation; on a machine of few
 cores the ranks also wait for CPU, which the model does not count).
@@ -202,7 +202,7 @@ def crossover(model: Model, h: int, l: int, a: str, b: str, lo: float = 1, hi: f
 # ---- measuring -----------------------------------------------------------------------------
 _CLIENTS = r"""
 import sys, threading, time
-from comm.store import Store
+from comm.bootstrap.store import Store
 port, k, reps, big = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 stores = [Store("127.0.0.1", port, rank=i + 1, size=k + 1, timeout=60, secret=None) for i in range(k)]
 def work(s):
@@ -223,8 +223,8 @@ print(small, (time.perf_counter() - t) / big)
 def measure_store(clients: int = 8, reps: int = 300, big_reps: int = 20, tries: int = 3) -> tuple[float, float]:
     """c_req (throughput of the store's host under `clients` concurrent clients) and
     beta_store (a 1 MiB value's reply time per byte), on loopback: the best of `tries`."""
-    from comm import rendezvous
-    from comm.store import Store
+    from comm.bootstrap import rendezvous
+    from comm.bootstrap.store import Store
     best = (math.inf, math.inf)
     for _ in range(tries):
         port = rendezvous.free_port()

@@ -1,7 +1,7 @@
 """The bootstrap at thousands of ranks, simulated with the library's real store:
 `python -m bench.scale_sim --ranks 1024,4096 [--per-host 8] [--procs 8] [--anchors]`.
 
-Every simulated rank is a thread holding a real comm.store.Store client, connected over TCP
+Every simulated rank is a thread holding a real comm.bootstrap.store.Store client, connected over TCP
 to a real StoreServer, which runs in a process of its own as rank 0's process would host it
 (the clients run in --procs worker processes, so that neither side's GIL is the other's bound).
 Each rank joins, then makes the store exchanges comm.init makes before any data connection:
@@ -28,14 +28,14 @@ import sys
 import threading
 import time
 
-from comm import rendezvous
+from comm.bootstrap import rendezvous
 from comm._native import _native
-from comm.store import KeyValueStore, Store
-from comm.store_host import StoreServer
+from comm.bootstrap.store import KeyValueStore, Store
+from comm.bootstrap.store_host import StoreServer
 
 
 def _info(rank: int, hosts: int, per_host: int) -> bytes:
-    """The native engine's address record, as transports/native.py publishes it."""
+    """The native engine's address record, as transports/native/__init__.py publishes it."""
     host = rank // per_host
     return json.dumps({"addr": f"198.18.{host >> 8}.{host & 255}", "port": 40000 + rank % 20000,
                        "token": f"{rank * 2654435761 % 2**64:032x}", "sockets": 4, "lazy": True}).encode()
@@ -64,7 +64,7 @@ def _host(rank: int, per_host: int) -> bytes:
 def _bootstrap(store: Store, rank: int, size: int, per_host: int, pattern: str, full: bool,
                expected: dict[str, list[bytes]], plan: list[list[int]]) -> bool:
     """The store exchanges of comm.init for one rank (full), or its first gather alone; True
-    when every answer is what every rank gave. As transports/native.py makes them (pattern
+    when every answer is what every rank gave. As transports/native/__init__.py makes them (pattern
     "gather"): the topology from every rank, the addresses of the planned peers only (`plan`:
     the engine's own plan of this topology), the shared-memory records of this host's ranks
     only; pattern "rounds" gathers every rank's value each time, a set and a get per rank, as

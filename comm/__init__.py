@@ -10,15 +10,16 @@ import datetime
 import json
 import os
 
-from . import config, log, rendezvous
-from .buffers import Buffer
+from .core import config, log
+from .bootstrap import rendezvous
+from .core.buffers import Buffer
 from .communicator import Communicator, connect, transport_class
 from .p2p import P2POp
-from .store import Store
+from .bootstrap.store import Store
 from .elastic import Membership
-from .errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
+from .core.errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
                      PeerFailure, Revoked, TransportUnavailable, from_os_error)
-from .types import DType, PremulSum, ReduceOp, premul_sum
+from .core.types import DType, PremulSum, ReduceOp, premul_sum
 from .window import Window
 from .work import Work
 

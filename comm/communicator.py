@@ -20,16 +20,18 @@ import weakref
 
 import numpy as np
 
-from . import auth, config, elastic, limits, log, rendezvous, vcollectives
+from .bootstrap import auth, limits, rendezvous
+from .core import config, log
+from . import elastic, vcollectives
 from . import compress as compression
-from .buffers import Buffer, as_buffer
-from .errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
+from .core.buffers import Buffer, as_buffer
+from .core.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                      Revoked, TransportUnavailable, _integer, _many, from_os_error)
 from .flight_recorder import FlightRecorder
-from .ops import DONE, LEAN_BUSY, BootstrapContext, OpDesc, OpKind
+from .core.ops import DONE, LEAN_BUSY, BootstrapContext, OpDesc, OpKind
 from .persistent import Persistent
-from .topology import Topology
-from .types import DType, PremulSum, ReduceOp, op_allowed
+from .bootstrap.topology import Topology
+from .core.types import DType, PremulSum, ReduceOp, op_allowed
 from .window import MAX_SIGNALS, Window
 from .work import Work
 

@@ -50,12 +50,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import config, log
-from .errors import CommError, TransportUnavailable
+from .core import config, log
+from .core.errors import CommError, TransportUnavailable
 from .compress_data import kernels, load_float32, store_float32
 from .compress_plan import FORMAT_CLASSES, Plan, two_level
-from .ops import OpDesc, OpKind
-from .types import DType, ReduceOp
+from .core.ops import OpDesc, OpKind
+from .core.types import DType, ReduceOp
 from .work import Work
 
 FORMATS = ("bf16", "fp8")

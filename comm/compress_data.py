@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .ops import OpDesc, OpKind
-from .types import DType, ReduceOp
+from .core.ops import OpDesc, OpKind
+from .core.types import DType, ReduceOp
 
 try:   # the kernels are the engine's; without it the other transports still run, uncompressed
     from . import _native as kernels

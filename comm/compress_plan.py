@@ -13,8 +13,8 @@ import threading
 import numpy as np
 
 from .compress_data import kernels, load_float32, store_float32
-from .ops import OpDesc, OpKind
-from .types import DType, ReduceOp
+from .core.ops import OpDesc, OpKind
+from .core.types import DType, ReduceOp
 
 # A large all_reduce (and a flat reduce_scatter / all_gather) runs in segments of about this
 # many bytes (at most _SEGMENTS of them), so the shared-memory phases of one overlap the

@@ -9,7 +9,7 @@ process, a handshake that does not come within the timeout a hung one. The first
 answers becomes the host (its standby thread starts a StoreServer on the first connection it
 accepts), so every survivor lands on the lowest live uid without the old host's help.
 
-Agreement is decided by the host (comm.agreement); each survivor replays the decisions it
+Agreement is decided by the host (comm.bootstrap.agreement); each survivor replays the decisions it
 has seen onto a new host, so a decision some saw is the decision for all. shrink agrees on
 the failed ranks, connects a new communicator of the rest (new sockets, new shared memory,
 store keys under the new epoch: nothing of it can be reached by an excluded rank, which the
@@ -29,10 +29,11 @@ import socket
 import threading
 import zlib
 
-from . import auth, log, rendezvous
-from .errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
-from .store import Store, StoreLost
-from .store_host import StoreServer
+from .bootstrap import auth, rendezvous
+from .core import log
+from .core.errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
+from .bootstrap.store import Store, StoreLost
+from .bootstrap.store_host import StoreServer
 
 LEDGER = 64   # decisions a process replays onto a new host: more than any shrink in flight needs
 
@@ -146,7 +147,7 @@ class Membership:
 
     # ---- agreement ---------------------------------------------------------------------------
     def agree(self, key: str, members, flag: int, failed: set[int], timeout: float) -> dict:
-        """Decide with the other members (comm.agreement): vote, then acknowledge the decision.
+        """Decide with the other members (comm.bootstrap.agreement): vote, then acknowledge the decision.
         A decision held when the host died was replayed, acknowledged, onto the new one."""
         members = list(members)
 

@@ -11,9 +11,9 @@ import collections
 import sys
 import time
 
-from . import config
-from .ops import OpKind
-from .types import DType
+from .core import config
+from .core.ops import OpKind
+from .core.types import DType
 
 DEPTH = 64
 SHOWN = 8      # entries per list on stderr

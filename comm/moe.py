@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import InvalidArgument, Mismatch
+from .core.errors import InvalidArgument, Mismatch
 
 # What each rank tells every peer before a dispatch: rows it sends, and the routing shape.
 _COUNT_FIELDS = ("rows", "num_experts", "top-k", "hidden size")

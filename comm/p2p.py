@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .buffers import as_buffer
-from .errors import InvalidArgument
+from .core.buffers import as_buffer
+from .core.errors import InvalidArgument
 
 _KINDS = ("isend", "irecv")
 

@@ -19,9 +19,9 @@ the prepared descriptor on each start.
 """
 from __future__ import annotations
 
-from .buffers import as_buffer
-from .errors import InvalidArgument
-from .ops import OpDesc, held_buffers
+from .core.buffers import as_buffer
+from .core.errors import InvalidArgument
+from .core.ops import OpDesc, held_buffers
 from .work import Work
 
 

@@ -18,7 +18,7 @@ Three things live here:
 
 This sits above the transports (it asks their registry whether nccl can run, and posts to a
 CPU transport); the CUDA calls and the GPU records it shares with the nccl transport are in
-comm.gpu, below both.
+comm.core.gpu, below both.
 """
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ import threading
 
 from transports import base
 
-from .buffers import Buffer
-from .errors import CommError, TransportUnavailable
-from .gpu import (NO_BINDINGS, _cudart, cuda_check, current_stream, decode_record, encode_record, gpu_problem,
+from .core.buffers import Buffer
+from .core.errors import CommError, TransportUnavailable
+from .core.gpu import (NO_BINDINGS, _cudart, cuda_check, current_stream, decode_record, encode_record, gpu_problem,
                   notice_once, pci_bus_id)
-from .ops import OpDesc, Request
+from .core.ops import OpDesc, Request
 
 def cuda_transport(store, cpu_transport: str, device: int | None) -> str:
     """The transport for CUDA buffers, the same on every rank of the group behind `store`:

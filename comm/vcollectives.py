@@ -9,9 +9,9 @@ locally is refused here with InvalidArgument before anything is sent.
 """
 from __future__ import annotations
 
-from .buffers import Buffer
-from .errors import TransportUnavailable, _integer, _many
-from .ops import OpDesc, OpKind
+from .core.buffers import Buffer
+from .core.errors import TransportUnavailable, _integer, _many
+from .core.ops import OpDesc, OpKind
 
 
 def _transport_has(c, kind: OpKind) -> None:

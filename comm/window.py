@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import operator
 
-from .buffers import Buffer, as_buffer
-from .errors import Closed, CommError, CommTimeout, InvalidArgument
+from .core.buffers import Buffer, as_buffer
+from .core.errors import Closed, CommError, CommTimeout, InvalidArgument
 
 MAX_SIGNALS = 1 << 16   # signal counters per window: 8 bytes each on every rank
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import threading
 
-from .errors import CommError
+from .core.errors import CommError
 
 # Orders add_done_callback against _finish when threads race; uncontended it costs a few tens
 # of nanoseconds, cheaper than a lock per Work (which every async call would create).

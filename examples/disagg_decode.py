@@ -295,7 +295,7 @@ def launch(args, argv) -> int:
     import secrets
 
     from bench.launch import _mpirun_command, _run_ranks, find_mpirun
-    from comm import rendezvous
+    from comm.bootstrap import rendezvous
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1", COMM_SECRET=os.environ.get("COMM_SECRET") or secrets.token_hex(16),
                PYTHONPATH=os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x))

@@ -122,7 +122,7 @@ def train(c, args, trainer: Trainer) -> None:
 def launch(args) -> int:
     """--np N: start N local ranks (torchrun's variables) and wait for them."""
     import secrets
-    from comm import rendezvous
+    from comm.bootstrap import rendezvous
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(rendezvous.free_port()),
                WORLD_SIZE=str(args.np), COMM_SECRET=os.environ.get("COMM_SECRET") or secrets.token_hex(16))
     procs = [subprocess.Popen(_argv(args), env=dict(env, RANK=str(r))) for r in range(args.np)]

@@ -10,8 +10,8 @@ import sys
 import time
 
 from comm.elastic import Membership
-from comm.rendezvous import free_port
-from comm.store import Store
+from comm.bootstrap.rendezvous import free_port
+from comm.bootstrap.store import Store
 
 N = 4
 

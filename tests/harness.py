@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 
-from comm.rendezvous import free_port  # noqa: F401  (the tests' way to pick a port, re-exported)
+from comm.bootstrap.rendezvous import free_port  # noqa: F401  (the tests' way to pick a port, re-exported)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -10,7 +10,7 @@ import importlib.util
 
 import numpy as np
 
-from comm.types import DType, ReduceOp, op_allowed
+from comm.core.types import DType, ReduceOp, op_allowed
 
 # numpy has no bfloat16: bfloat16 arrays come from torch. Without torch, bfloat16's cases run as
 # float16 (the other 2-byte float, same code paths but the conversion) and the session header

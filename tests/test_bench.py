@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from comm import rendezvous
-from comm.types import DType, ReduceOp, op_allowed
+from comm.bootstrap import rendezvous
+from comm.core.types import DType, ReduceOp, op_allowed
 from transports import base
 
 from bench import cli, data, report, sweep

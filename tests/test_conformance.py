@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
-from comm.ops import OpKind
-from comm.types import DType, ReduceOp
+from comm.core.ops import OpKind
+from comm.core.types import DType, ReduceOp
 from harness import assert_no_problems, slow, transport_params
 from reference import (ALL_DTYPES, dtypes, empty, make, mismatch, ops_for, reduce, reduce_scatter_v,
                        v_counts, values)

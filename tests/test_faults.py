@@ -185,7 +185,7 @@ def test_link_cut_between_hosts():
 def soak(world, iterations, seed):
     """Random collectives on random data, checked against numpy; returns (wrong, fds, rss)."""
     from reference import make, mismatch, reduce, values
-    from comm.types import DType, ReduceOp
+    from comm.core.types import DType, ReduceOp
     rng = np.random.default_rng(seed)            # same sequence on every rank
     halves = world.split(world.rank % 2)
     fds0 = len(os.listdir("/proc/self/fd"))
@@ -245,8 +245,8 @@ def test_flight_recorder_on_stderr_shows_the_last_entries(capsys, monkeypatch):
     """Every survivor of a failure dumps: on stderr only the last SHOWN entries of each list,
     and where the rest can be kept."""
     from comm.flight_recorder import SHOWN, FlightRecorder
-    from comm.ops import OpKind
-    from comm.types import DType
+    from comm.core.ops import OpKind
+    from comm.core.types import DType
     monkeypatch.delenv("COMM_FLIGHT_RECORDER", raising=False)
     engine = [(i, int(OpKind.ALL_REDUCE), int(DType.FLOAT32), 4, 0, "done", 0.0) for i in range(1, 41)]
     text = FlightRecorder(0, "world", lambda: engine).dump("a peer died")

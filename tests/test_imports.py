@@ -1,12 +1,18 @@
-"""Imports flow one way: the vocabulary at the bottom, transports/ above it, the rest of comm
-(communicator, elastic, persistent, moe, p2p, staging, torch, doctor) above those, bench on top.
+"""Imports flow one way, down the folders: the folders are the layers, and this test reads
+them from the tree, not from a list of modules. From the ground up:
 
-Read from the source with `ast`, nothing imported. Every import statement counts, at module
-level or inside a function: a lazy import hides a circle, it does not remove it. Relative
-imports are resolved; `from pkg import name` is an import of the module pkg.name when that is a
-module, else of pkg itself (its __init__.py, which for `comm` imports everything). The
-engine's compiled module (native/CMakeLists.txt installs it into comm/_native/) is a module of
-its own that imports none of ours.
+    comm/_native/    the engine's compiled module (imports none of ours)
+    comm/core/       the vocabulary: errors, types, ops, buffers, config, log, gpu
+    comm/bootstrap/  rendezvous, the store and its host, gathers, agreement, auth, limits, topology
+    transports/      one module or folder per transport
+    comm/            the API: the communicator and the features built on it, comm/torch/
+    bench/           the benchmark suite
+
+A module may import its own layer and those below it. Read from the source with `ast`,
+nothing imported. Every import statement counts, at module level or inside a function: a lazy
+import hides a circle, it does not remove it. Relative imports are resolved; `from pkg import
+name` is an import of the module pkg.name when that is a module, else of pkg itself (its
+__init__.py, which for `comm` imports everything).
 """
 from __future__ import annotations
 
@@ -16,12 +22,8 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("comm", "transports", "bench")
-
-# The bottom layer: what every transport may use to describe operations and to bootstrap.
-VOCABULARY = {"comm.errors", "comm.types", "comm.ops", "comm.buffers", "comm.config", "comm.gpu", "comm.work",
-              "comm.log", "comm.limits", "comm.auth", "comm.store", "comm.store_host", "comm.store_process", "comm.store_wire", "comm.gathers", "comm.agreement", "comm.rendezvous", "comm.topology",
-              "comm._native"}
-LAYERS = ("vocabulary", "transports", "comm", "bench")   # each may import its own and those before it
+# The layers, bottom first: a module belongs to the deepest of these folders that holds it.
+LAYERS = ("comm/_native", "comm/core", "comm/bootstrap", "transports", "comm", "bench")
 
 
 def extensions(root: str) -> set[str]:
@@ -122,9 +124,9 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 
 
 def layer(module: str, compiled: set[str]) -> str:
-    if module in VOCABULARY or module in compiled:   # the engine imports none of ours: a leaf
-        return "vocabulary"
-    return module.split(".")[0]
+    """The folder (of LAYERS) a module lives in; a compiled module's is its package's."""
+    path = module.replace(".", "/")
+    return max((f for f in LAYERS if path == f or path.startswith(f + "/")), key=len)
 
 
 def _file(module: str, root: str) -> str:
@@ -158,7 +160,7 @@ def test_no_import_cycle():
 
 
 def test_imports_flow_down_the_layers():
-    assert VOCABULARY <= set(modules(ROOT)), f"not modules: {VOCABULARY - set(modules(ROOT))}"
+    assert all(os.path.isdir(os.path.join(ROOT, f)) for f in LAYERS), "a layer's folder is missing"
     report = layer_report(ROOT)
     assert not report, "\n".join(report)
 
@@ -183,18 +185,18 @@ def test_a_lazy_circle_and_an_upward_import_are_found(tmp_path):
     a transport that asks the communicator, lazily, are both reported with file and line."""
     root = _tree(tmp_path, {
         "comm/__init__.py": "from .communicator import Communicator\n",
-        "comm/config.py": "from .errors import InvalidArgument\n\ndef pick():\n    from transports import base\n",
-        "comm/errors.py": "",
+        "comm/core/config.py": "from .errors import InvalidArgument\n\ndef pick():\n    from transports import base\n",
+        "comm/core/errors.py": "",
         "comm/communicator.py": "from . import config\n",
         "transports/__init__.py": "",
         "transports/base.py": "from comm import config\n\ndef get():\n    from comm.communicator import connect\n",
         "bench/__init__.py": "import comm\nimport transports.base\n",
     })
     report = cycle_report(root)
-    assert report[0] == "3 files import each other: comm/communicator.py, comm/config.py, transports/base.py"
-    assert "  comm/config.py:4 imports transports.base" in report
+    assert report[0] == "3 files import each other: comm/communicator.py, comm/core/config.py, transports/base.py"
+    assert "  comm/core/config.py:4 imports transports.base" in report
     layers = layer_report(root)
-    assert "comm/config.py:4: comm.config (vocabulary) imports transports.base (transports), a layer above it" in layers
+    assert "comm/core/config.py:4: comm.core.config (comm/core) imports transports.base (transports), a layer above it" in layers
     assert any(line.startswith("transports/base.py:4: transports.base (transports) imports comm.communicator")
                for line in layers)
     assert not any(line.startswith("bench/") for line in layers)
@@ -205,14 +207,14 @@ def test_from_package_import_name_is_the_package(tmp_path):
     `from comm import errors` only the module."""
     root = _tree(tmp_path, {
         "comm/__init__.py": "from .errors import CommError\nfrom .communicator import Communicator\n",
-        "comm/errors.py": "",
+        "comm/core/errors.py": "",
         "comm/communicator.py": "from transports import base\n",
         "transports/__init__.py": "",
         "transports/base.py": "from comm import errors\n",
-        "transports/mpi.py": "from comm import CommError, errors\n",
+        "transports/mpi/__init__.py": "from comm import CommError, errors\n",
     })
     graph = imports(root)
-    assert graph["transports.base"] == {"comm.errors": 1}
-    assert graph["transports.mpi"] == {"comm.errors": 1, "comm": 1}
+    assert graph["transports.base"] == {"comm.core.errors": 1}
+    assert graph["transports.mpi"] == {"comm.core.errors": 1, "comm": 1}
     assert cycle_report(root) == []
-    assert layer_report(root) == ["transports/mpi.py:1: transports.mpi (transports) imports comm (comm), a layer above it"]
+    assert layer_report(root) == ["transports/mpi/__init__.py:1: transports.mpi (transports) imports comm (comm), a layer above it"]

@@ -371,7 +371,7 @@ def test_descriptor_limit_too_low_is_named():
 
 _STORE_HOST = r"""
 import sys, comm
-from comm.store import Store
+from comm.bootstrap.store import Store
 try:
     Store.host_or_connect("127.0.0.1", int(sys.argv[1]), rank=0, size=1000, timeout=5, secret=None)
     print("no error")

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import comm
-from comm.buffers import as_buffer
-from comm.ops import OpDesc, OpKind
-from comm.types import DType, ReduceOp
+from comm.core.buffers import as_buffer
+from comm.core.ops import OpDesc, OpKind
+from comm.core.types import DType, ReduceOp
 from harness import ENGINE_CHANNELS, assert_no_problems, engine_param, engine_setup, transport_params
 from transports import base
 

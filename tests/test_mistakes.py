@@ -12,7 +12,7 @@ import time
 import pytest
 
 import comm
-from comm.store import Store
+from comm.bootstrap.store import Store
 from harness import ROOT, free_port
 from transports import base
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from comm import moe
 from comm.communicator import Communicator
-from comm.errors import InvalidArgument, Mismatch
+from comm.core.errors import InvalidArgument, Mismatch
 from reference import HAVE_TORCH
 from transports import base
 

@@ -8,8 +8,8 @@ import pytest
 from harness import RanksFailed, assert_no_problems, run_ranks
 from reference import dtypes, make, mismatch, ops_for, reduce, values
 
-from comm.buffers import as_buffer
-from comm.types import DType, ReduceOp
+from comm.core.buffers import as_buffer
+from comm.core.types import DType, ReduceOp
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("mpi") is not None,

@@ -19,7 +19,7 @@ from reference import dtypes
 from test_moe import _check_layer, ep_layer_all
 from test_conformance import (check_all_reduce, check_all_to_all, check_p2p, check_reduce_scatter_all_gather,
                               check_rooted, check_split_and_async)
-from comm.types import DType
+from comm.core.types import DType
 from transports import base
 
 _why = unavailable() or base.unavailable_reason("native")

@@ -7,7 +7,7 @@ silently fell back would fail here.
 import numpy as np
 import pytest
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 from harness import assert_no_problems, slow
 from reference import empty, make, mismatch, reduce, reduce_scatter_v, v_counts, values
 

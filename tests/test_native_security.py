@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
-from comm import auth, rendezvous
-from comm.store import Store
+from comm.bootstrap import auth, rendezvous
+from comm.bootstrap.store import Store
 from harness import free_port, slow
 from transports import base
 

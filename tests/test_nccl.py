@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm.types import DType, ReduceOp, op_allowed
+from comm.core.types import DType, ReduceOp, op_allowed
 from transports import base
 from transports import nccl as tn
 
@@ -72,7 +72,7 @@ needs_gpu = pytest.mark.skipif(NCCL_REASON is not None, reason=f"nccl: {NCCL_REA
 @needs_gpu
 def test_world_of_one_premul_async_and_tag_refusal():
     torch = pytest.importorskip("torch")
-    from comm.buffers import as_buffer
+    from comm.core.buffers import as_buffer
     from transports.base import OpDesc, OpKind
     with comm.init(transport="nccl") as world:
         x = torch.arange(10, dtype=torch.float32, device="cuda")
@@ -96,14 +96,14 @@ def test_device_choice_one_visible_gpu_current_device_local_rank():
 
 
 def test_gpu_records_round_trip_with_binary_payload():
-    from comm import gpu
+    from comm.core import gpu
     uid = bytes(range(256))[:128]                  # a unique id may hold any byte, "|" included
     assert gpu.decode_record(gpu.encode_record("0000:3b:00.0", None, uid)) == ("0000:3b:00.0", None, uid)
     assert gpu.decode_record(gpu.encode_record(None, "no CUDA device")) == (None, "no CUDA device", b"")
 
 
 def test_gpu_problem_names_failed_ranks_then_shared_gpus():
-    from comm.gpu import gpu_problem
+    from comm.core.gpu import gpu_problem
     ok = [("0000:3b:00.0", None, b""), ("0000:5e:00.0", None, b"")]
     assert gpu_problem(ok) is None
     failed = gpu_problem([ok[0], (None, "local rank 1 would take CUDA device 1", b"")])
@@ -113,7 +113,8 @@ def test_gpu_problem_names_failed_ranks_then_shared_gpus():
 
 
 def _agree(world):
-    from comm import gpu, staging
+    from comm.core import gpu
+    from comm import staging
     chosen = staging.cuda_transport(world._ctx.store.scoped("cuda-agree"), "native", None)
     return chosen, [n for n in gpu._noticed if "pinned host memory over the native" in n]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm.types import DType
+from comm.core.types import DType
 from harness import (ENGINE_CHANNELS, Cluster, abort_while_blocked, assert_no_problems, engine_param, engine_setup,
                      slow)
 from reference import ALL_DTYPES, dtypes

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import comm
-from comm import config, rendezvous
+from comm.core import config
+from comm.bootstrap import rendezvous
 from harness import ROOT, free_port as harness_port, mpirun, run_ranks
 from transports import base
 

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import comm
-from comm import auth
-from comm.store import Store
+from comm.bootstrap import auth
+from comm.bootstrap.store import Store
 from harness import free_port
 
 SECRET = b"job-secret-for-tests"
@@ -142,5 +142,5 @@ def test_unauthenticated_warning(capfd, monkeypatch):
 def test_fuzzed_join_refused(body):
     """Whatever a client claims in its join, the store answers or drops it; once every rank
     has joined, a misfit is refused alone and the job's store keeps serving."""
-    from comm import store_wire as wire
+    from comm.bootstrap import store_wire as wire
     _frame_after_handshake(struct.pack("!BIdI", wire.JOIN, 0, 1.0, len(body)) + body)

@@ -1,4 +1,4 @@
-"""CUDA buffers on CPU transports (comm.staging) and CUDA array inputs (comm.buffers).
+"""CUDA buffers on CPU transports (comm.staging) and CUDA array inputs (comm.core.buffers).
 
 What needs no GPU runs everywhere: the routing of a CUDA buffer to the staged path (and its
 refusal, communicator intact, when this process has no GPU), the pinned pool's size classes,
@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import comm
-from comm import gpu, staging
-from comm.buffers import as_buffer
-from comm.ops import OpDesc, OpKind
+from comm.core import gpu
+from comm import staging
+from comm.core.buffers import as_buffer
+from comm.core.ops import OpDesc, OpKind
 
 
 class CudaArray:

@@ -1,4 +1,4 @@
-"""The store's gather: one request and one reply per member (comm.gathers), over real sockets
+"""The store's gather: one request and one reply per member (comm.bootstrap.gathers), over real sockets
 with a real StoreServer; the ranks are threads of this process, each with its own Store."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from comm import auth
-from comm import store_host, store_wire as wire
-from comm.errors import CommError, CommTimeout, InvalidArgument, Mismatch, PeerFailure
-from comm.store import Store
+from comm.bootstrap import auth
+from comm.bootstrap import store_host, store_wire as wire
+from comm.core.errors import CommError, CommTimeout, InvalidArgument, Mismatch, PeerFailure
+from comm.bootstrap.store import Store
 
 
 def _host(size: int, timeout: float = 20.0):
@@ -253,7 +253,7 @@ def test_host_closing_answers_the_waiting(host):
 
 _HOST_OF_MANY = r"""
 import os, sys
-from comm.store import Store
+from comm.bootstrap.store import Store
 host = Store.host_or_connect("127.0.0.1", int(sys.argv[1]), rank=0, size=int(sys.argv[2]), timeout=20,
                              secret=b"s" * 16)
 print(len(os.listdir("/proc/self/fd")), flush=True)
@@ -284,7 +284,7 @@ def test_host_of_many_ranks_in_its_own_process(end):
     import subprocess
     import sys
     from harness import ROOT, free_port
-    from comm.store_process import OWN_PROCESS_FROM
+    from comm.bootstrap.store_process import OWN_PROCESS_FROM
     size, port = OWN_PROCESS_FROM, free_port()
     rank0 = subprocess.Popen([sys.executable, "-c", _HOST_OF_MANY, str(port), str(size), end],
                              env=dict(os.environ, PYTHONPATH=ROOT), stdin=subprocess.PIPE,

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import comm
-from comm import auth, rendezvous, store_host, store_wire as wire
-from comm.store import Store
+from comm.bootstrap import auth, rendezvous, store_host, store_wire as wire
+from comm.bootstrap.store import Store
 from harness import ROOT, free_port
 from transports import base
 
@@ -224,7 +224,7 @@ def test_connection_cap_answers_no_greeting():
 
 EMFILE_HOST = """
 import glob, os, resource, sys, time
-from comm.store import Store
+from comm.bootstrap.store import Store
 port = int(sys.argv[1])
 host = Store.host_or_connect("127.0.0.1", port, rank=0, size=3, timeout=60, secret=None)
 

@@ -14,7 +14,7 @@ from harness import slow
 from torch_ranks import process_group, ranks  # noqa: F401  (a fixture)
 
 import comm
-from comm import config
+from comm.core import config
 from transports import base
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import time
 import pytest
 from torch_ranks import process_group, ranks  # noqa: F401  (a fixture)
 
-from comm import config
+from comm.core import config
 from transports import base
 
 torch = pytest.importorskip("torch")

@@ -18,7 +18,7 @@ import pytest
 from harness import ROOT, free_port, slow
 from torch_ranks import process_group, ranks  # noqa: F401  (a fixture)
 
-from comm import config
+from comm.core import config
 from transports import base
 
 torch = pytest.importorskip("torch")

@@ -15,7 +15,7 @@ from harness import ROOT, Cluster, assert_no_problems, run_ranks, slow
 from reference import dtypes
 
 import comm
-from comm.types import DType
+from comm.core.types import DType
 from transports import base
 
 pytestmark = pytest.mark.skipif(base.unavailable_reason("ucx") is not None,

@@ -138,7 +138,7 @@ def _stub(folder, major: int, minor: int) -> str:
 INIT = """
 import comm
 try:
-    comm.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=comm.rendezvous.free_port(), transport="ucx")
+    comm.init(rank=0, world_size=1, master_addr="127.0.0.1", master_port=comm.bootstrap.rendezvous.free_port(), transport="ucx")
 except comm.TransportUnavailable as e:
     print("unavailable:", e)
 """

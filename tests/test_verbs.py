@@ -81,7 +81,7 @@ def test_no_device_is_named():
 
 
 def test_hop_limit_is_declared_and_configurable(monkeypatch):
-    from comm import config
+    from comm.core import config
     assert config.get("COMM_VERBS_HOP_LIMIT") == 64
     monkeypatch.setenv("COMM_VERBS_HOP_LIMIT", "8")
     assert config.get("COMM_VERBS_HOP_LIMIT") == 8

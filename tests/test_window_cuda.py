@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import comm
-from comm import gpu
+from comm.core import gpu
 from harness import slow
 from test_staging import GPU_REASON, CudaArray, DLPackProducer
 

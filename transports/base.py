@@ -3,7 +3,7 @@
 A transport gets one fully validated operation descriptor (`OpDesc`) per call and returns a
 `Request`. `comm.Communicator` does all argument checking; transports assume valid input.
 Adding a transport: one module that subclasses `Transport` and calls `register(cls)`, and
-its name in `comm.config.TRANSPORTS`.
+its name in `comm.core.config.TRANSPORTS`.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import ClassVar
 
 import numpy as np
 
-from comm import config
-from comm.buffers import as_buffer
-from comm.errors import CommError, TransportUnavailable
-from comm.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
+from comm.core import config
+from comm.core.buffers import as_buffer
+from comm.core.errors import CommError, TransportUnavailable
+from comm.core.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
                       Request)  # the protocol's types
 
 
@@ -88,7 +88,7 @@ class Transport(abc.ABC):
         raise e
 
     def window(self, mem, signals: int) -> "TransportWindow":
-        """Collective: expose `mem` (a comm.buffers.Buffer, host memory, possibly 0 bytes) to
+        """Collective: expose `mem` (a comm.core.buffers.Buffer, host memory, possibly 0 bytes) to
         every peer, with `signals` counters on this rank (comm.window). Every rank calls it."""
         raise TransportUnavailable(f"transport {self.name!r} has no one-sided communication (windows); "
                                    "use the native or ucx transport")

@@ -24,7 +24,7 @@ Semantics that differ from the other transports, on purpose:
 - Data movement (gather, scatter, all_gather, broadcast, all_to_all, send/recv) moves bytes, so
   every dtype works there.
 - fp8: NCCL has float8 e4m3 / e5m2 (codes 10 / 11, sm90+), but comm.DType has no fp8 member,
-  so fp8 tensors are refused by comm.buffers before they reach this module.
+  so fp8 tensors are refused by comm.core.buffers before they reach this module.
 """
 from __future__ import annotations
 
@@ -33,12 +33,12 @@ import sys
 
 import numpy as np
 
-from comm import gpu
-from comm.buffers import Buffer
-from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
+from comm.core import gpu
+from comm.core.buffers import Buffer
+from comm.core.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
                          TransportUnavailable)
-from comm.gpu import cuda_check as _cuda_check
-from comm.types import DType, ReduceOp
+from comm.core.gpu import cuda_check as _cuda_check
+from comm.core.types import DType, ReduceOp
 
 from .base import BootstrapContext, OpDesc, OpKind, Request, Transport, poll_until, register
 

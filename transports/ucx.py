@@ -1,7 +1,7 @@
 """The UCX transport: the native engine, with UCX carrying the data (native/src/ucx.cc).
 
 Every algorithm, persistent handle, the lean path, send/recv and the failure handling are the
-engine's (transports/native.py); what is UCX's is only where its library comes from. The
+engine's (transports/native/__init__.py); what is UCX's is only where its library comes from. The
 engine loads libucp at run time from the libucx wheel (pip install libucx-cu12), which
 ucxx-cu12 also installs, holding it at an older release: any UCX from the engine's floor to
 the newest 1.x runs (native/src/ucx_library.h), another is refused naming that range. UCX
@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
-from comm import config
+from comm.core import config
 
 from .base import register
 from .native import NativeTransport, _native

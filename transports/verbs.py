@@ -1,7 +1,7 @@
 """The verbs transport: the native engine, with RDMA verbs carrying the data (native/src/verbs.cc).
 
 Every algorithm, persistent handle, the lean path, send/recv and the failure handling are the
-engine's (transports/native.py); what is verbs' is only which port to use. Each peer and stream
+engine's (transports/native/__init__.py); what is verbs' is only which port to use. Each peer and stream
 is one RC queue pair whose stream travels in credit-controlled slots written by RDMA WRITE WITH
 IMMEDIATE. The engine is built with the net where rdma-core's headers were present
 (libibverbs-dev) and loads libibverbs.so.1 at run time (libibverbs1 rdma-core); discovery
@@ -9,7 +9,7 @@ IMMEDIATE. The engine is built with the net where rdma-core's headers were prese
 """
 from __future__ import annotations
 
-from comm import config
+from comm.core import config
 
 from .base import register
 from .native import NativeTransport, _native

@@ -33,7 +33,7 @@ from typing import Callable, ClassVar
 
 import numpy as np
 
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
 from .. import data
 

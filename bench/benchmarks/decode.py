@@ -8,7 +8,7 @@ message sizes; its #wrong is checked against the float32 result.
 """
 from __future__ import annotations
 
-from comm.types import DType
+from comm.core.types import DType
 
 from . import Params, register
 from .collectives import AllReduce

@@ -8,7 +8,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from ..types import ReduceOp, premul_sum
+from ..core.types import ReduceOp, premul_sum
 from .work import BACKEND, Unsupported, as_torch_error
 
 # ---- reduce ops ------------------------------------------------------------------------------

@@ -31,9 +31,10 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         AllToAllOptions, BarrierOptions, BroadcastOptions, GatherOptions,
                                         ReduceOptions, ReduceScatterOptions, ScatterOptions)
 
-from .. import config, staging
+from ..core import config
+from .. import staging
 from ..communicator import Communicator, connect
-from ..errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
+from ..core.errors import Closed, CommError, CommTimeout, InvalidArgument, TransportUnavailable
 from .args import PLAIN_OPS, as_input, as_output, by_dtype, cat, options, real, reduce_op, tensor_list, unpack
 from .sparse import sparse_all_reduce
 from .store import TorchStore

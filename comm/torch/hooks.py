@@ -34,8 +34,8 @@ try:   # FSDP2's custom-collective interfaces (torch 2.8+; not exported by torch
 except ImportError:   # older torch: the classes still work as plain callables
     AllGather = ReduceScatter = object
 
-from ..errors import InvalidArgument
-from ..types import ReduceOp
+from ..core.errors import InvalidArgument
+from ..core.types import ReduceOp
 from .args import reduce_op
 from .backend import ProcessGroupComm
 from .work import as_torch_error

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import CommError, InvalidArgument
+from ..core.errors import CommError, InvalidArgument
 from .work import DoneWork, as_torch_error
 
 

@@ -1,4 +1,4 @@
-"""torch.distributed's Store seen through comm.store.Store's interface: the torch backend's
+"""torch.distributed's Store seen through comm.bootstrap.store.Store's interface: the torch backend's
 communicators, and comm.init under torchrun (its agent already serves a TCPStore), bootstrap
 through the store torch set up, with no second rendezvous port."""
 from __future__ import annotations
@@ -10,14 +10,14 @@ import socket
 
 import torch.distributed as dist
 
-from .. import rendezvous
-from ..errors import CommError, CommTimeout
-from ..store import KeyValueStore
+from ..bootstrap import rendezvous
+from ..core.errors import CommError, CommTimeout
+from ..bootstrap.store import KeyValueStore
 
 _joins = itertools.count()   # TorchStore.connect calls in this process
 
 class TorchStore(KeyValueStore):
-    """comm.store.Store's methods over a torch.distributed Store, so transports bootstrap through
+    """comm.bootstrap.store.Store's methods over a torch.distributed Store, so transports bootstrap through
     the store torch already set up for the group (no second rendezvous port)."""
 
     def __init__(self, store, rank: int, size: int, timeout: float):

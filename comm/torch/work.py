@@ -24,8 +24,8 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import errors
-from ..errors import CommError, CommTimeout
+from ..core import errors
+from ..core.errors import CommError, CommTimeout
 
 
 # ---- errors: comm's classes, also torch's DistBackendError ------------------------------------

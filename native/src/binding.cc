@@ -1,6 +1,6 @@
 // The Python face of the engine (module comm._native). Every call releases the GIL; engine
-// errors become _native.NativeError(code, peer, message), which transports/native.py maps
-// onto the comm.errors classes.
+// errors become _native.NativeError(code, peer, message), which transports/native/__init__.py maps
+// onto the comm.core.errors classes.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/shared_ptr.h>
 #include <nanobind/stl/map.h>
@@ -29,8 +29,8 @@ namespace {
 
 using release = nb::call_guard<nb::gil_scoped_release>;
 
-// Which reductions each dtype allows: comm.types.op_allowed's table, handed over once by
-// transports/native.py (one source of truth).
+// Which reductions each dtype allows: comm.core.types.op_allowed's table, handed over once by
+// transports/native/__init__.py (one source of truth).
 std::array<std::array<bool, static_cast<size_t>(DType::COUNT)>, static_cast<size_t>(ReduceOp::COUNT)>
     g_reducible{};
 PyObject* g_ndarray = nullptr;         // numpy.ndarray: the one type the lean path reads
@@ -216,7 +216,7 @@ bool plain_array(PyObject* obj, bool writable, Array* out, Dims dims = Dims::ANY
     const auto bytes = nb::cast<uint64_t>(attr(obj, n.nbytes));
     // nbytes is numel * itemsize whatever the storage holds: a storage freed or resized to 0
     // (FSDP frees parameters so) or too small, and lazy negation views, take the full path,
-    // which refuses them (comm/buffers.py).
+    // which refuses them (comm/core/buffers.py).
     if (bytes && !ptr) return false;
     const auto offset = nb::cast<uint64_t>(call(obj, n.storage_offset)) * itemsize(static_cast<DType>(i));
     if (nb::cast<uint64_t>(call(call(obj, n.untyped_storage).ptr(), n.nbytes)) < offset + bytes) return false;
@@ -711,7 +711,7 @@ NB_MODULE(_native, m) {
           for (size_t t = 0; t < table[op].size() && t < g_reducible[op].size(); t++)
             g_reducible[op][t] = table[op][t];
       },
-      "Hand over comm.types.op_allowed as table[op][dtype] (the lean path checks with it).");
+      "Hand over comm.core.types.op_allowed as table[op][dtype] (the lean path checks with it).");
 
   nb::class_<Prepared>(m, "Prepared")
       .def("run", &Prepared::run, nb::arg("busy"), nb::arg("timeout_s"),

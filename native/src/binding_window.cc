@@ -1,4 +1,4 @@
-// The Python face of one-sided windows (window.h; transports/native.py's NativeWindow).
+// The Python face of one-sided windows (window.h; transports/native/__init__.py's NativeWindow).
 //
 // Besides the plain calls (which take addresses the Python layer checked), the lean calls
 // take the Python objects as they come: w.put(peer, array, offset) + w.flush(peer) to a peer

@@ -1,5 +1,5 @@
 // Shared vocabulary of the engine: element types, operators, op kinds, errors, deadlines.
-// The enum values are the wire codes of comm/types.py and transports/base.py: never renumber.
+// The enum values are the wire codes of comm/core/types.py and transports/base.py: never renumber.
 #pragma once
 
 #include <chrono>
@@ -25,7 +25,7 @@ size_t itemsize(DType t);
 bool is_floating(DType t);
 const char* kind_name(OpKind k);
 
-// Error codes mirrored by transports/native.py onto the comm.errors classes.
+// Error codes mirrored by transports/native/__init__.py onto the comm.core.errors classes.
 enum class ErrorCode : int {
   TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM,
   INVALID_ARGUMENT,  // the caller's arguments; nothing was sent and the communicator stays usable

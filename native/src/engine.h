@@ -42,7 +42,7 @@ class Engine {
   Engine(int rank, int size, std::vector<int> local_ranks, Options opt);
   ~Engine();
 
-  // Bootstrap, driven by transports/native.py in this order.
+  // Bootstrap, driven by transports/native/__init__.py in this order.
   int shm_create();  // returns the segment's descriptor, which peers open via /proc
   void shm_attach(int rank, int pid, int fd);
   bool cma_probe();              // can this rank read every local peer's memory?

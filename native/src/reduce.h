@@ -12,7 +12,7 @@ using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t n);
 using ScaleFn = void (*)(void* out, const void* in, size_t n, double factor);
 
 // AVG and PREMUL_SUM reduce as SUM (the engine scales before / after). nullptr if the
-// combination is not defined (comm.types.op_allowed refuses those earlier).
+// combination is not defined (comm.core.types.op_allowed refuses those earlier).
 ReduceFn reduce_fn(DType t, ReduceOp op);
 ScaleFn scale_fn(DType t);
 // The instruction set the kernels run with here: "avx512", "avx2" or "baseline".

@@ -18,7 +18,7 @@ def _torch_group(rank: int, size: int):
 
 def _staged_notice() -> list[str]:
     """The notices saying CUDA tensors took the staged path (printed once per process)."""
-    from comm import gpu
+    from comm.core import gpu
     return [n for n in gpu._noticed if "pinned host memory over the" in n]
 
 
@@ -195,5 +195,5 @@ def window_staged(world, allocated: bool) -> tuple[list[str], str]:
     path = w._tw.paths[peer]
     w.close()
     assert torch.equal(by_close, pattern(r, 6)), "get completed by close"
-    from comm import gpu
+    from comm.core import gpu
     return [n for n in gpu._noticed if "windows are staged" in n], path

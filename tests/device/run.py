@@ -41,7 +41,7 @@ sys.path[:0] = [os.path.dirname(TESTS), TESTS]
 os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
 
 import comm  # noqa: E402
-from comm.types import DType, ReduceOp, op_allowed  # noqa: E402
+from comm.core.types import DType, ReduceOp, op_allowed  # noqa: E402
 from transports import base  # noqa: E402
 
 BUDGET = float(os.environ.get("DEVICE_CHECK_BUDGET", "200"))
@@ -282,7 +282,7 @@ def nccl_lifecycle(world, torch) -> None:
 
 
 def _port() -> int:
-    from comm.rendezvous import free_port
+    from comm.bootstrap.rendezvous import free_port
     return free_port()
 
 

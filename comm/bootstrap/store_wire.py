@@ -1,5 +1,5 @@
-"""The bootstrap store's wire protocol, shared by its host (comm.store_host) and its clients
-(comm.store): a request is a frame (op, key, timeout, value), a reply a status and bytes. Frames
+"""The bootstrap store's wire protocol, shared by its host (comm.bootstrap.store_host) and its clients
+(comm.bootstrap.store): a request is a frame (op, key, timeout, value), a reply a status and bytes. Frames
 are length-prefixed and size-checked; values are raw bytes (never pickled)."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Which ranks share a host: `Communicator.topology`.
 
-Hosts are told apart by the host id that also decides shared memory (comm.rendezvous.host_id:
+Hosts are told apart by the host id that also decides shared memory (comm.bootstrap.rendezvous.host_id:
 host name, boot id and network namespace). Hosts are numbered by their lowest rank and the
 ranks of a host ascend, so every rank derives the same view; any placement works (block,
 cyclic, uneven, one rank per host, one host). The native engine gets the same grouping and

@@ -74,7 +74,7 @@ def _array_interface_address(a: np.ndarray) -> tuple[int, bool, bool]:
 
 
 try:  # the buffer protocol read from C is the cheap way; the engine's module provides it
-    from ._native import buffer_address as _address
+    from .._native import buffer_address as _address
 except ImportError:
     _address = _array_interface_address
 

@@ -14,8 +14,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from . import config
-from .errors import InvalidArgument
+from ..core import config
+from ..core.errors import InvalidArgument
 
 DEFAULT_PORT = 29500
 

@@ -1,11 +1,11 @@
 """Connections between the ranks of a native communicator, and their budget of descriptors.
 
-Every connection is a TCP socket that passes comm.auth's HMAC handshake, then names its rank,
+Every connection is a TCP socket that passes comm.bootstrap.auth's HMAC handshake, then names its rank,
 its role and the acceptor's session token. A peer is a set of them: a monitor (no data; its
 hang-up means the peer died), and for a peer on another host a send / recv socket plus
 COMM_SOCKETS_PER_PEER collective sockets.
 
-COMM_CONNECT=eager connects every pair at set-up (transports/native.py: the higher rank
+COMM_CONNECT=eager connects every pair at set-up (transports/native/__init__.py: the higher rank
 dials). COMM_CONNECT=lazy (Links) connects at set-up only the peers the engine's algorithms
 plan for (Engine.planned_peers) and any other peer when an operation first needs it: the
 listener and its acceptor live as long as the communicator. Both ends may need each other
@@ -29,8 +29,8 @@ import threading
 import time
 import weakref
 
-from comm import auth, limits
-from comm.errors import Closed, CommError, CommTimeout, PeerFailure
+from comm.bootstrap import auth, limits
+from comm.core.errors import Closed, CommError, CommTimeout, PeerFailure
 
 # A data connection must complete its handshake this fast (ours take milliseconds), and at
 # most this many may be in progress at once: a stranger cannot hold up set-up for longer.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import resource
 
-from .errors import CommError
+from ..core.errors import CommError
 
 # Descriptors a process keeps beside what is counted (interpreter, libraries, store client,
 # listeners, event descriptors): the headroom each check leaves.

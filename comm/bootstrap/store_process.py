@@ -35,7 +35,7 @@ class HostProcess:
                 "size": size, "agree": agree, "where": where}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # where comm imports from
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self._proc = subprocess.Popen([sys.executable, "-c", "from comm.store_process import serve; serve()"],
+        self._proc = subprocess.Popen([sys.executable, "-c", "from comm.bootstrap.store_process import serve; serve()"],
                                       stdin=subprocess.PIPE, pass_fds=(fd,), env=env)
         listener.close()
         try:   # the secret travels through the pipe, never the command line or the environment

@@ -1,4 +1,4 @@
-"""Fault-tolerant agreement, decided by the store's host (comm.store.StoreServer).
+"""Fault-tolerant agreement, decided by the store's host (comm.bootstrap.store.StoreServer).
 
 ULFM's MPIX_Comm_agree over a coordinator: every live member of a communicator sends its
 flag and the failures it saw first hand; the host decides once every member has either

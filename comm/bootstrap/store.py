@@ -1,6 +1,6 @@
 """The bootstrap store's clients: ranks use it only to exchange addresses and small metadata
-while connecting, through a small TCP key-value service hosted by rank 0 (comm.store_host).
-With a job secret, every connection passes comm.auth's HMAC handshake before a frame is read.
+while connecting, through a small TCP key-value service hosted by rank 0 (comm.bootstrap.store_host).
+With a job secret, every connection passes comm.bootstrap.auth's HMAC handshake before a frame is read.
 KeyValueStore holds what transports need of any store (torch's too: comm.torch.store).
 """
 from __future__ import annotations
@@ -12,9 +12,10 @@ import struct
 import threading
 import time
 
-from . import auth, limits, log, rendezvous
+from . import auth, limits, rendezvous
+from ..core import log
 from .gathers import unpack_reply
-from .errors import CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure, from_os_error
+from ..core.errors import CommError, CommTimeout, Excluded, InvalidArgument, Mismatch, PeerFailure, from_os_error
 from .store_host import StoreServer
 from .store_process import OWN_PROCESS_FROM, HostProcess
 from .store_wire import (ADD, AGREE, EVERY, EXCLUDED, FD_ERRORS, GATHER, GATHER_HDR, GET, GONE, HDR, JOIN, MAX_KEY, MAX_VALUE,
@@ -264,7 +265,7 @@ class Store(KeyValueStore):
         self.all_gather(key, b"")
 
     def agree(self, key: str, msg: dict, timeout: float) -> dict:
-        """Contribute to agreement `key` (comm.agreement) and return its decision."""
+        """Contribute to agreement `key` (comm.bootstrap.agreement) and return its decision."""
         return json.loads(self._call(AGREE, key, json.dumps(msg).encode(), timeout=timeout, op="agree"))
 
     def add(self, key: str, amount: int) -> int:

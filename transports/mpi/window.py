@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from comm.buffers import Buffer
-from comm.errors import Aborted, CommTimeout
+from comm.core.buffers import Buffer
+from comm.core.errors import Aborted, CommTimeout
 
-from .base import TransportWindow, poll_until
+from ..base import TransportWindow, poll_until
 
 
 class MPIWindow(TransportWindow):

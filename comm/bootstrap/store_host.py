@@ -1,4 +1,4 @@
-"""The bootstrap store's host: a small TCP key-value service that rank 0 runs (comm.store has
+"""The bootstrap store's host: a small TCP key-value service that rank 0 runs (comm.bootstrap.store has
 the clients and the protocol's description).
 
 Every client's first frame says which rank it is and what it believes about the job (world
@@ -21,7 +21,8 @@ import sys
 import threading
 import time
 
-from . import auth, config, log
+from . import auth
+from ..core import config, log
 from .agreement import Agreements
 from .gathers import Gathers
 from .store_wire import (ADD, AGREE, EVERY, EXCLUDED, FD_ERRORS, GATHER, GATHER_HDR, GONE, JOIN, MAX_GROUP, MISMATCH,
@@ -378,7 +379,7 @@ class StoreServer:
 
     def _gather(self, sock: socket.socket, key: str, timeout: float, value: bytes,
                 uid: int) -> tuple[int, bytes] | None:
-        """One member's value for gather `key` (comm.gathers); None: the reply comes later."""
+        """One member's value for gather `key` (comm.bootstrap.gathers); None: the reply comes later."""
         try:
             member, size, wlen, nwant = GATHER_HDR.unpack_from(value)
             watch = [int(r) for r in json.loads(value[GATHER_HDR.size:GATHER_HDR.size + wlen])] if wlen else []
@@ -422,7 +423,7 @@ class StoreServer:
 
     def _agreement(self, key: str, uid: int, value: bytes, timeout: float) -> tuple[int, bytes]:
         """With the lock held: uid's contribution to agreement `key`, or its acknowledgement of
-        the decision (comm.agreement)."""
+        the decision (comm.bootstrap.agreement)."""
         agreements = self._agreements
         try:
             msg = json.loads(value)

@@ -3,7 +3,7 @@ it accepts.
 
 Read them through `get(name)`: a value that does not parse is an InvalidArgument naming the
 variable and what it accepts (never a silent fallback to the default). An empty value counts
-as unset. The README's table is generated from `VARIABLES` (see `python -m comm.config`).
+as unset. The README's table is generated from `VARIABLES` (see `python -m comm.core.config`).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def algorithm_names() -> dict[str, list[str]]:
     """The names COMM_ALGO may take, per transport that reads it: the engine's, which runs the
     algorithms of every engine transport."""
     try:
-        from . import _native
+        from .. import _native
     except ImportError:   # the engine is not built: no transport here chooses an algorithm
         return {}
     return {"native, ucx, verbs": list(_native.algorithm_names())}

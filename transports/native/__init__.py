@@ -3,8 +3,8 @@
 Python does the connection set-up, where speed does not matter and the standard library
 has what security needs: every rank publishes its listening address through the store,
 its peers are connected (COMM_CONNECT=lazy: those the engine's algorithms plan for, the others
-on first use, transports/links.py; eager: the full mesh, the higher rank connects, the lower
-accepts), every socket passes comm.auth's HMAC handshake, and the connected sockets are handed
+on first use, transports/native/links.py; eager: the full mesh, the higher rank connects, the lower
+accepts), every socket passes comm.bootstrap.auth's HMAC handshake, and the connected sockets are handed
 to the engine. Ranks with
 the same host_id also share memory: each creates one anonymous segment (memfd) and maps its
 local peers' segments through /proc/<pid>/fd (same user only); nothing has a name in
@@ -31,16 +31,17 @@ import weakref
 
 import numpy as np
 
-from comm import auth, config, log, rendezvous
-from comm.buffers import as_buffer
-from comm.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
+from comm.bootstrap import auth, rendezvous
+from comm.core import config, log
+from comm.core.buffers import as_buffer
+from comm.core.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
                          PeerFailure, Revoked, TransportUnavailable)
-from comm.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
-from comm.types import DType, ReduceOp, op_allowed
+from comm.core.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
+from comm.core.types import DType, ReduceOp, op_allowed
 from comm.work import Work
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, TransportWindow, register)
-from transports.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Infos, Links,
+from transports.native.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Infos, Links,
                               dial, readable, reserve_descriptors, roles, wake)
 
 try:
@@ -69,7 +70,7 @@ def _error_classes() -> dict:
 
 
 def _code(e: CommError) -> int:
-    """The engine's code for a comm.errors class (a connector's failure handed back to it)."""
+    """The engine's code for a comm.core.errors class (a connector's failure handed back to it)."""
     for code, cls in _error_classes().items():
         if type(e) is cls:
             return code
@@ -77,7 +78,7 @@ def _code(e: CommError) -> int:
 
 
 def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
-    """NativeError(code, peer, message) -> the comm.errors class for that code."""
+    """NativeError(code, peer, message) -> the comm.core.errors class for that code."""
     code, peer, msg = e.args
     cls = _error_classes().get(code, CommError)
     if cls is PeerFailure:
@@ -286,7 +287,7 @@ class NativeTransport(Transport):
             engine = _native.Engine(ctx.rank, ctx.size, local if len(local) > 1 else [],
                                     float(ctx.timeout), config.get("COMM_ALGO") or "",
                                     int(config.get("COMM_CHUNK_BYTES")), DIRECT_MAX_BYTES)
-            # The two-level algorithms' grouping: as comm.topology numbers hosts.
+            # The two-level algorithms' grouping: as comm.bootstrap.topology numbers hosts.
             labels = {h: i for i, h in reversed(list(enumerate(hosts)))}
             engine.set_hosts([labels[h] for h in hosts])
             peers = engine.planned_peers() if lazy else [p for p in range(ctx.size) if p != ctx.rank]

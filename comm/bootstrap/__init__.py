@@ -1,0 +1,2 @@
+"""Who am I and who are my peers: rendezvous, the store and its host, gathers, agreement,
+authentication, descriptor limits and topology. Imports comm.core only."""
