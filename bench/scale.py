@@ -175,7 +175,7 @@ class Job:
 
 # What a rank costs the machine, in MiB, as measured at 2x8 and 8x8: its own memory (RssAnon:
 # native 21, gloo 149, and page tables) and, for native, its share of its host's shared
-# memory: a collective ring and a 128 KiB p2p ring per local peer (native/src/shm.h: 2 MiB
+# memory: a collective ring and a 128 KiB p2p ring per local peer (native/src/channels/shm/shm.h: 2 MiB
 # rings up to 8 peers, beyond that 16 MiB shared among them, at least 512 KiB each).
 RANK_MIB = {"native": 30, "gloo": 160}
 

@@ -176,7 +176,7 @@ class Model:
 
 
 def engine_choice(kind: str, h: int, l: int, m: float) -> str:
-    """The model's name for what native/src/select.cc (and twolevel.cc) run across hosts:
+    """The model's name for what native/src/algorithms/select.cc (and twolevel.cc) run across hosts:
     two levels whenever some host holds several ranks, else recursive doubling up to
     RD_MAX and the ring above; all_to_all: the aggregated form, else pairwise."""
     if kind == "all_reduce":

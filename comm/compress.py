@@ -5,13 +5,13 @@
 
 A layer above the transports. On the native engine (and its UCX / verbs channels) every
 compressed collective (all_reduce, reduce_scatter, all_gather, the v forms) runs inside the
-engine (native/src/twolevel_compress.cc: the same algorithm, its network phase encoding and
+engine (native/src/algorithms/twolevel_compress.cc: the same algorithm, its network phase encoding and
 decode-adding on the engine's thread, pipelined with the shared-memory phases; async_op=True
 returns a Work that completes later for float32 data; other floats are converted around it);
 on other transports (mpi) they are built from the communicator's own collectives
 (comm/compress_plan.py), so they run on every transport. Formats: "bf16" (float32 / float64
 data sent as bfloat16, rounded to nearest even) and "fp8" (e4m3 codes with one float32 scale
-per block of COMM_COMPRESS_BLOCK elements; see native/src/compress.h). Every partial sum is
+per block of COMM_COMPRESS_BLOCK elements; see native/src/kernels/compress.h). Every partial sum is
 kept in float32 by the receiver.
 
 The algorithm (torchft's quantize - exchange - reduce - requantize, over the topology):

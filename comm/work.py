@@ -1,7 +1,7 @@
 """Work: the handle of an asynchronous operation (torch.distributed's name and methods).
 
 The native engine's lean path (all_reduce or broadcast of one plain array) returns its own
-implementation of this class, comm._native.LeanWork (native/src/work.cc), registered as a
+implementation of this class, comm._native.LeanWork (native/src/binding/work.cc), registered as a
 comm.Work: on small messages a Python handle costs more than the operation. Both behave alike.
 """
 from __future__ import annotations

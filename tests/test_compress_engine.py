@@ -1,5 +1,5 @@
 """The compressed all_reduce, reduce_scatter, all_gather and v forms inside the native engine
-(native/src/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank the same
+(native/src/algorithms/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank the same
 bits, the README's error bound, NaN and Inf as on the exact path, real asynchronous Work, the
 engine's own validation, and a rank on the exact path beside compressed ones failing instead
 of hanging. Quick: one host with

@@ -1,9 +1,9 @@
-"""Verbs transport: the engine over RDMA verbs (native/src/verbs.cc).
+"""Verbs transport: the engine over RDMA verbs (native/src/channels/verbs/verbs.cc).
 
 What needs no RDMA device runs everywhere: the wire format, credit accounting, the stream in
-slots, address records and GID choice are C++ (native/src/verbs_wire.cc), checked by
+slots, address records and GID choice are C++ (native/src/channels/verbs/verbs_wire.cc), checked by
 native/tests/verbs_wire_test.cc, and the keys, chunks and completion accounting of windows over
-RDMA WRITE / READ (native/src/window_verbs_plan.cc) by native/tests/window_verbs_plan_test.cc,
+RDMA WRITE / READ (native/src/windows/window_verbs_plan.cc) by native/tests/window_verbs_plan_test.cc,
 both built here with the system compiler; discovery must say why verbs cannot run. A run over
 queue pairs needs an active RDMA port and skips with the reason discovery gives."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_wire_credits_address_and_gid_choice(tmp_path):
 @pytest.mark.slow   # a sanitizer build of a C++ unit test: seconds of compiling
 def test_window_keys_chunks_and_completions(tmp_path):
     """native/tests/window_verbs_plan_test.cc: the device-free half of windows over RDMA WRITE /
-    READ (native/src/window_verbs_plan.cc): the window key (round trip; short, long, foreign and
+    READ (native/src/windows/window_verbs_plan.cc): the window key (round trip; short, long, foreign and
     wrapping keys refused), range checks at the window's edges, work-request ids apart from the
     channel's own, chunk cutting, and chunks in flight against a model (stray completions,
     failures kept for the next flush, abandoned READs, a lost queue pair)."""

@@ -1,10 +1,10 @@
-"""The UCX transport: the native engine, with UCX carrying the data (native/src/ucx.cc).
+"""The UCX transport: the native engine, with UCX carrying the data (native/src/channels/ucx/ucx.cc).
 
 Every algorithm, persistent handle, the lean path, send/recv and the failure handling are the
 engine's (transports/native/__init__.py); what is UCX's is only where its library comes from. The
 engine loads libucp at run time from the libucx wheel (pip install libucx-cu12), which
 ucxx-cu12 also installs, holding it at an older release: any UCX from the engine's floor to
-the newest 1.x runs (native/src/ucx_library.h), another is refused naming that range. UCX
+the newest 1.x runs (native/src/channels/ucx/ucx_library.h), another is refused naming that range. UCX
 then picks its own transports (shared memory on one host, TCP, InfiniBand / RoCE where
 present; UCX_TLS chooses). On one host, large payloads are read by the receiver straight
 from the sender's buffer (native/CHANNELS.md), in place of UCX's own CMA.
@@ -49,7 +49,7 @@ class UCXTransport(NativeTransport):
     def net_options(cls) -> dict[str, str]:
         # endpoints: per remote peer, each its own connection; large payloads are striped
         # over them as over the TCP channel's sockets. rma: windows over UCX RMA (rkeys)
-        # instead of p2p messages (native/src/window_ucx.cc)
+        # instead of p2p messages (native/src/windows/window_ucx.cc)
         return {"library": _LIBUCP, "endpoints": str(max(1, int(config.get("COMM_SOCKETS_PER_PEER")))),
                 "rma": "1" if config.get("COMM_WINDOW_RMA") else "0"}
 

@@ -1,4 +1,4 @@
-"""The verbs transport: the native engine, with RDMA verbs carrying the data (native/src/verbs.cc).
+"""The verbs transport: the native engine, with RDMA verbs carrying the data (native/src/channels/verbs/verbs.cc).
 
 Every algorithm, persistent handle, the lean path, send/recv and the failure handling are the
 engine's (transports/native/__init__.py); what is verbs' is only which port to use. Each peer and stream

@@ -1,4 +1,4 @@
-"""The C++ engine's bindings (native/src/binding.cc), compiled into the module beside this file.
+"""The C++ engine's bindings (native/src/binding/binding.cc), compiled into the module beside this file.
 
 A folder, not the bare compiled module in comm/, so that `from comm import _native` names a
 source file that imports nothing of this library: read from the source, the engine is then

@@ -3,7 +3,7 @@
 // chunks, and the accounting of chunks in flight (completions in order and out of it, stray and
 // foreign ids, failures kept for the next flush, abandoned READs, a lost queue pair), plus a
 // model-checked random sequence. Built and run by tests/test_verbs.py with the system C++
-// compiler (with native/src/window_verbs_plan.cc); exits non-zero naming the first failed check.
+// compiler (with native/src/windows/window_verbs_plan.cc); exits non-zero naming the first failed check.
 #include <cstdio>
 #include <cstdlib>
 #include <random>
@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "check.h"
-#include "../src/window_verbs_plan.h"
+#include "../src/windows/window_verbs_plan.h"
 
 using namespace comm::verbs;
 

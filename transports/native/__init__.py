@@ -55,7 +55,7 @@ else:  # the lean path checks reductions against the same table as the communica
     if (_native.LEAN_SKIPPED, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
 
-# OpDesc.wire as the engine's code (native/src/common.h: Wire).
+# OpDesc.wire as the engine's code (native/src/core/common.h: Wire).
 _WIRES = {None: 0, "bf16": 1, "fp8": 2}
 
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
@@ -132,7 +132,7 @@ class NativePrepared:
 
 
 class NativeWindow(TransportWindow):
-    """The engine's window (native/src/window.h). Peers on this host write and read an
+    """The engine's window (native/src/windows/window.h). Peers on this host write and read an
     allocated window (nbytes given: shared memory the engine allocates) through their own
     mapping of it, a user buffer with CMA; every other peer goes through its p2p stream,
     where the target's engine writes the bytes in. Set-up exchanges each rank's (address,
@@ -156,7 +156,7 @@ class NativeWindow(TransportWindow):
             failed = _convert(e, self._rank, "window")
         transport._windows += 1
         # The last entry: the net's RMA key (hex; empty where the net has none or was opened
-        # without it, native/src/rma.h). A rank that could not make its window (no memory)
+        # without it, native/src/windows/rma.h). A rank that could not make its window (no memory)
         # sends why instead, so that every rank fails now rather than at the timeout.
         me = {"error": failed.cause} if failed is not None else \
             [addr, size, self._w.id, os.getpid(), self._w.signal_fd, signals, self._w.memory_fd,

@@ -1,3 +1,0 @@
-// The compressed wire formats' kernels built for the avx2 instruction set (flags in CMakeLists.txt).
-#define KERNEL_NS avx2
-#include "compress_kernels.inc"

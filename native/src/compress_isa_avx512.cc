@@ -1,3 +1,0 @@
-// The compressed wire formats' kernels built for the avx512 instruction set (flags in CMakeLists.txt).
-#define KERNEL_NS avx512
-#include "compress_kernels.inc"

@@ -1,3 +1,0 @@
-// The compressed wire formats' kernels built for the baseline instruction set (flags in CMakeLists.txt).
-#define KERNEL_NS baseline
-#include "compress_kernels.inc"

@@ -1,3 +1,0 @@
-// The reduction kernels built for the baseline instruction set (flags set in CMakeLists.txt).
-#define KERNEL_NS baseline
-#include "reduce_kernels.inc"
