@@ -9,8 +9,8 @@ result, the shape of an FSDP2 step) and each format (exact, then --formats), the
 caller's uncompressed bytes over the time, with nccl-tests' all_reduce factor 2(n-1)/n for both
 operations), the link bound of those bytes, the speed-up over the exact path, the path
 comm.compress chose, and the measured error: max over elements of |result - exact| /
-sum over ranks of |x|, the quantity the README's bound is stated in. Random normal float32
-inputs. Rank 0 prints; --json FILE writes the rows.
+sum over ranks of |x|, the quantity docs/compress.md's bound is stated in. Random normal
+float32 inputs. Rank 0 prints; --json FILE writes the rows.
 """
 from __future__ import annotations
 

@@ -1,84 +1,60 @@
-"""Compressed collectives: fewer bits on the wire between hosts, sums kept in fp32.
+"""Compressed collectives: fewer bits on the wire between hosts, sums kept in float32.
 
     world.all_reduce(grad, compress="bf16")     # or "fp8"; likewise reduce_scatter,
                                                 # all_gather, their v forms and *_init
 
-A layer above the transports. On the native engine (and its UCX / verbs channels) every
-compressed collective (all_reduce, reduce_scatter, all_gather, the v forms) runs inside the
-engine (native/src/algorithms/twolevel_compress.cc: the same algorithm, its network phase encoding and
-decode-adding on the engine's thread, pipelined with the shared-memory phases; async_op=True
-returns a Work that completes later for float32 data; other floats are converted around it);
-on other transports (mpi) they are built from the communicator's own collectives
-(comm/compress_plan.py), so they run on every transport. Formats: "bf16" (float32 / float64
-data sent as bfloat16, rounded to nearest even) and "fp8" (e4m3 codes with one float32 scale
-per block of COMM_COMPRESS_BLOCK elements; see native/src/kernels/compress.h). Every partial sum is
-kept in float32 by the receiver.
-
-The algorithm (torchft's quantize - exchange - reduce - requantize, over the topology):
-
-    all_reduce      exact reduce_scatter inside each host (shared memory, float32)
-                    -> among the ranks of the same local position on every host: quantize
-                       each host's chunk, all_to_all, dequantize-and-add in float32,
-                       quantize the sum, all_gather, dequantize
-                    -> exact all_gather inside each host
-    reduce_scatter  exact reduce_scatter inside each host, then the compressed flat
-                    reduce_scatter (quantize, all_to_all, dequantize-and-add) across hosts
-    all_gather      compressed all_gather across hosts (quantize once, dequantize on
-                    arrival), then the exact all_gather inside each host
-
-so every element is quantized at most twice whatever the number of ranks and hosts. The
-sub-communicators (ranks of one host; ranks of one local position) are made by split on the
-first compressed call that runs this way and kept: every rank makes the same calls, as for
-any collective. Hosts with unequal rank counts, or one host with COMM_COMPRESS=force, run
-the flat form over all ranks.
-
-When it is chosen (else the exact path runs, unchanged): the communicator spans hosts, the
-message holds at least COMM_COMPRESS_MIN_BYTES, and (COMM_COMPRESS=auto, the default) the first
-calls of that size measured it faster than the exact path (see PROBE_CALLS); COMM_COMPRESS=on
-skips the measurement, force compresses always (one host too: tests), off never. Where the
-wire is as wide as the data (bfloat16 or float16 data with "bf16") the exact path runs.
-COMM_DEBUG=1 logs the path each (op, format) first takes, and each measured choice.
-The algorithm itself lives in comm/compress_plan.py.
-
-The plan's calls (and the engine's converted ones) run on the caller's thread; with
-async_op=True the returned Work is complete.
+This module decides whether a call compresses (COMM_COMPRESS, measured under auto) and hands
+it to the one algorithm there is, the native engine's (native/src/algorithms/twolevel_compress.cc).
+A transport whose engine does not compress (mpi) runs its compressed calls on a sibling native
+communicator over the same ranks: the data then moves over the engine's channels (shared memory
+on a host, TCP across hosts), not over MPI. docs/compress.md has the formats, their error
+bounds, when auto compresses, and what the mpi transport does.
 """
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from dataclasses import replace
 
 import numpy as np
 
 from .core import config, log
-from .core.errors import CommError, TransportUnavailable
-from .compress_data import kernels, load_float32, store_float32
-from .compress_plan import FORMAT_CLASSES, Plan, two_level
+from .core.buffers import as_buffer
+from .core.errors import CommError, TransportUnavailable, from_os_error
 from .core.ops import OpDesc, OpKind
 from .core.types import DType, ReduceOp
 from .work import Work
 
+try:   # the kernels are the engine's; without it the other transports still run, uncompressed
+    from . import _native as kernels
+except ImportError:
+    kernels = None
+
 FORMATS = ("bf16", "fp8")
 _OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PREMUL_SUM)
 _DATA = (DType.FLOAT32, DType.FLOAT64, DType.FLOAT16, DType.BFLOAT16)
+_REDUCING = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V)
 
 
 # ---- the decision -----------------------------------------------------------------------------
 def check(c, label: str, fmt, desc: OpDesc) -> None:
-    """Refuse, with InvalidArgument, what no compressed form exists for."""
+    """Refuse, with InvalidArgument, what no compressed form exists for; without the native
+    engine (the extension not built) there is no compressed form at all: TransportUnavailable."""
+    s = c.session
     if kernels is None:
-        raise TransportUnavailable(f"compress={fmt!r} needs the native engine's kernels, which were not built",
-                                   rank=c.rank, op=label)
+        raise TransportUnavailable(f"compress={fmt!r} needs the native engine, which was not built",
+                                   rank=s.rank, op=label)
     if fmt not in FORMATS:
-        raise c._error(label, f"unknown compress format {fmt!r}: use None (exact), {', '.join(map(repr, FORMATS))}")
-    if desc.kind in (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.REDUCE_SCATTER_V) and desc.op not in _OPS:
-        raise c._error(label, f"compress={fmt!r} sums in float32: {desc.op.name} is not allowed "
-                              "(use SUM, AVG or PREMUL_SUM, or compress=None)")
+        raise s.invalid(label, f"unknown compress format {fmt!r}: use None (exact), {', '.join(map(repr, FORMATS))}")
+    if desc.kind in _REDUCING and desc.op not in _OPS:
+        raise s.invalid(label, f"compress={fmt!r} sums in float32: {desc.op.name} is not allowed "
+                               "(use SUM, AVG or PREMUL_SUM, or compress=None)")
     if desc.dtype not in _DATA:
-        raise c._error(label, f"compress={fmt!r} needs floating-point data, got {desc.dtype.name.lower()}")
+        raise s.invalid(label, f"compress={fmt!r} needs floating-point data, got {desc.dtype.name.lower()}")
     for buf in (desc.send, desc.recv):
         if buf is not None and buf.device != "cpu":
-            raise c._error(label, f"compress={fmt!r} runs on CPU buffers; this one is on {buf.device}")
+            raise s.invalid(label, f"compress={fmt!r} runs on CPU buffers; this one is on {buf.device}")
 
 
 def _why_exact(c, fmt: str, dtype: DType, nbytes: int) -> str | None:
@@ -104,7 +80,7 @@ def path(c, fmt: str, nbytes: int, dtype: DType = DType.FLOAT32, label: str = "a
     first calls of a size time both paths (COMM_COMPRESS=auto)."""
     why = _why_exact(c, fmt, dtype, nbytes)
     if why is None and config.get("COMM_COMPRESS") == "auto":
-        probe = getattr(c, "_compress_probes", {}).get((label, fmt, nbytes.bit_length()))
+        probe = _state(c).probes.get((label, fmt, nbytes.bit_length()))
         if probe is None or probe.faster is None:
             return f"measuring (compress={fmt}: the first {PROBE_CALLS} calls of this size time both paths)"
         if not probe.faster:
@@ -113,10 +89,15 @@ def path(c, fmt: str, nbytes: int, dtype: DType = DType.FLOAT32, label: str = "a
 
 
 def _layout(c) -> str:
+    """The engine's layout (twolevel_compress.cc: two levels where every host holds the same
+    number of ranks, more than one), in words."""
     t = c.topology
-    if two_level(t):
-        return f"two-level: exact inside {t.local_size}-rank hosts, compressed across {t.num_hosts} hosts"
-    return f"flat over {c.size} ranks"
+    if t.num_hosts > 1 and t.local_size > 1 and len({len(ranks) for ranks in t.hosts}) == 1:
+        where = f"two-level: exact inside {t.local_size}-rank hosts, compressed across {t.num_hosts} hosts"
+    else:
+        where = f"flat over {c.size} ranks"
+    transport = c.session.transport
+    return where if transport.compressed_wire else f"{where}, on a native communicator beside {transport.name}"
 
 
 def run(c, desc: OpDesc, fmt, async_op: bool):
@@ -127,43 +108,124 @@ def run(c, desc: OpDesc, fmt, async_op: bool):
     taken = path(c, fmt, nbytes, desc.dtype, label)
     if taken.startswith("measuring"):
         _probe(c, label, fmt, nbytes).step(c, desc, fmt)
-        return Work(c, _Ran(), label, None) if async_op else None
-    log.algorithm(c.rank, c._ctx.group_name, label, taken)
+        return _ran(c, label, async_op)
+    log.algorithm(c.rank, c.session.ctx.group_name, label, taken)
     if not taken.startswith("compressed"):
-        return c._post(desc, async_op)
+        return c.session.post(desc, async_op)
     return _compressed(c, desc, fmt, async_op)
 
 
-# What the transport's engine runs compressed itself (Transport.compressed_wire).
-_ENGINE_KINDS = (OpKind.ALL_REDUCE, OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER_V,
-                 OpKind.ALL_GATHER_V)
-
-
 def _compressed(c, desc: OpDesc, fmt: str, async_op: bool = False):
-    """Runs desc compressed: in the transport's engine where it has one (a real Work with
-    async_op for float32 data), else the plan (comm/compress_plan.py) on this thread."""
-    label = desc.kind.label
+    """Runs desc compressed in the engine: posted (a real Work with async_op for float32 data)
+    where the transport is the engine; else on the sibling (see _sibling), on this thread."""
+    s, label = c.session, desc.kind.label
     block = config.get("COMM_COMPRESS_BLOCK")
-    if desc.kind in _ENGINE_KINDS and c._transport.compressed_wire:
+    if s.transport.compressed_wire:
         if desc.dtype is DType.FLOAT32:
-            return c._post(replace(desc, wire=fmt, wire_block=block), async_op)
-        _engine_converted(c, desc, fmt, block)
-        return Work(c, _Ran(), label, None) if async_op else None
-    if c._failure is not None or c._closed:
-        c._refuse(label)
-    if not c._busy.acquire(False):
-        raise c._overlap(label)
+            return s.post(replace(desc, wire=fmt, wire_block=block), async_op)
+        _converted(s, desc, fmt, block)
+        return _ran(c, label, async_op)
+    s.usable(label)
+    # The parent's lock held across the sibling's call: one collective at a time on c, as if
+    # it ran there; the sibling's failure is the parent's (later calls refuse, as after any).
+    if not s.busy.acquire(False):
+        raise s.overlap(label)
     try:
-        _plan(c).run(desc, FORMAT_CLASSES[fmt](block))
+        sibling = _sibling(c, label).session
+        if desc.dtype is DType.FLOAT32:
+            sibling.post(replace(desc, wire=fmt, wire_block=block), False)
+        else:
+            _converted(sibling, desc, fmt, block)
     except CommError as e:
-        raise c._failed_op(label, e) from None
+        raise s.failed(label, e) from None
+    except BaseException as e:   # Ctrl-C: abort c too, so its peers fail instead of waiting
+        s.interrupted(e, None)
+        raise
     finally:
-        c._busy.release()
-    return Work(c, _Ran(), label, None) if async_op else None
+        s.busy.release()
+    return _ran(c, label, async_op)
+
+
+def _converted(s, desc: OpDesc, fmt: str, block: int) -> None:
+    """float64 / float16 / bfloat16 data, posted blocking on session `s` as float32 workspaces
+    (the engine compresses float32 only), converted back into the caller's output. PREMUL_SUM's
+    factor is applied on the way in; the engine applies AVG's."""
+    label, mine = desc.kind.label, desc.count
+    whole = sum(desc.recv_counts) if desc.recv_counts is not None else s.size * mine
+    sizes = {OpKind.ALL_REDUCE: (mine, mine), OpKind.REDUCE_SCATTER: (whole, mine),
+             OpKind.REDUCE_SCATTER_V: (whole, mine)}.get(desc.kind, (mine, whole))   # else: gathers
+    src, dst = np.empty(sizes[0], np.float32), np.empty(sizes[1], np.float32)
+    src[:] = _as_float32(desc.send.numpy()[:sizes[0]], desc.dtype)
+    if desc.kind in _REDUCING and desc.op is ReduceOp.PREMUL_SUM and desc.scale != 1.0:
+        src *= np.float32(desc.scale)
+    op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
+    s.post(replace(desc, send=as_buffer(src, op=label, writable=True), recv=as_buffer(dst, op=label, writable=True),
+                   dtype=DType.FLOAT32, op=op, scale=1.0, wire=fmt, wire_block=block), False)
+    out = desc.recv.numpy()
+    if desc.dtype is DType.BFLOAT16:   # round to nearest even, as the engine's bf16 results
+        packed = np.empty(dst.size, np.uint16)
+        kernels.compress_to_bf16(dst.ctypes.data, packed.ctypes.data, dst.size)
+        out[:dst.size] = packed
+    else:
+        out[:dst.size] = dst
+
+
+def _as_float32(data: np.ndarray, dtype: DType) -> np.ndarray:
+    if dtype is DType.BFLOAT16:   # the caller's bfloat16 as numpy: its uint16 storage
+        return (data.astype(np.uint32) << 16).view(np.float32)
+    return data.astype(np.float32, copy=False)
+
+
+# ---- per communicator: the measurements, the sibling ------------------------------------------
+class _State:
+    def __init__(self):
+        self.probes: dict[tuple[str, str, int], _Probe] = {}
+        self.sibling = None   # the native Communicator of a transport that does not compress
+
+
+# Kept here, by communicator, not as attributes set on it (no module writes another's object);
+# weak keys: a communicator dropped without close() takes its state, and its sibling, along.
+_STATES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _state(c) -> _State:
+    with _STATES_LOCK:
+        state = _STATES.get(c)
+        if state is None:
+            state = _STATES[c] = _State()
+        return state
+
+
+def _sibling(c, label: str):
+    """The native communicator beside `c`: the same ranks in the same order, bootstrapped on
+    the first compressed call through c's store (its view "compress"), as split bootstraps a
+    group: every rank makes the same compressed calls, so every rank comes here together.
+    Closed with c (close)."""
+    state = _state(c)
+    if state.sibling is None:
+        from transports import base   # lazily, as the communicator: transports import comm's layers
+        s = c.session
+        ctx = s.child_context(tuple(range(s.size)), "compress", f"{s.ctx.group_name}/compress")
+        log.debug(s.rank, f"{ctx.group_name}: {label} compressed: a native communicator beside {s.transport.name}")
+        try:
+            native = base.get("native").create(ctx)
+        except OSError as e:   # no descriptors, no memory: a failure of set-up like the rest
+            raise from_os_error(e, rank=s.rank, op=label) from None
+        state.sibling = type(c)(native, ctx)   # a Communicator (comm.communicator imports this module)
+    return state.sibling
+
+
+def close(c) -> None:
+    """Close the sibling of `c`'s compressed calls, if any (Communicator.close calls it)."""
+    with _STATES_LOCK:
+        state = _STATES.pop(c, None)
+    if state is not None and state.sibling is not None:
+        state.sibling.close()
 
 
 # COMM_COMPRESS=auto measures, per communicator, operation, format and power-of-two size, the
-# first calls: compressed (warm-up: sub-communicators, workspaces), exact, compressed, exact,
+# first calls: compressed (warm-up: the sibling, workspaces), exact, compressed, exact,
 # compressed; the faster path by the slowest rank's best time of each (one 16-byte all_reduce)
 # runs from then on. A link fast enough that compression only costs keeps the exact path, and
 # so does a near tie (compressed must win by _MARGIN: a few timings on a busy machine are noisy,
@@ -173,8 +235,7 @@ _MARGIN = 0.9
 
 
 def _probe(c, label: str, fmt: str, nbytes: int) -> "_Probe":
-    probes = c.__dict__.setdefault("_compress_probes", {})
-    return probes.setdefault((label, fmt, nbytes.bit_length()), _Probe())
+    return _state(c).probes.setdefault((label, fmt, nbytes.bit_length()), _Probe())
 
 
 class _Probe:
@@ -195,33 +256,15 @@ class _Probe:
         if compressed:
             _compressed(c, desc, fmt)
         else:
-            c._post(desc, False)
+            c.session.post(desc, False)
         self.times.append((compressed, time.perf_counter() - t0))
         if len(self.times) < PROBE_CALLS:
             return
         best = np.array([min(t for comp, t in self.times[1:] if comp is want) for want in (False, True)])
         c.all_reduce(best, op=ReduceOp.MAX)
         self.best, self.faster = (float(best[0]), float(best[1])), bool(best[1] < _MARGIN * best[0])
-        log.debug(c.rank, f"{c._ctx.group_name}: {desc.kind.label} of 2^{desc_bits(desc)} bytes with "
+        log.debug(c.rank, f"{c.session.ctx.group_name}: {desc.kind.label} of 2^{desc_bits(desc)} bytes with "
                           f"compress={fmt}: {self.times_ms()}: {'compressed' if self.faster else 'exact'} from now on")
-
-
-def _engine_converted(c, desc: OpDesc, fmt: str, block: int) -> None:
-    """float64 / float16 / bfloat16 data: converted to float32 workspaces (as the plan does:
-    load_float32 applies PREMUL_SUM's factor, the engine AVG's), run in the engine, converted
-    back."""
-    label, mine = desc.kind.label, desc.count
-    whole = sum(desc.recv_counts) if desc.recv_counts is not None else c.size * mine
-    sizes = {OpKind.ALL_REDUCE: (mine, mine), OpKind.REDUCE_SCATTER: (whole, mine),
-             OpKind.REDUCE_SCATTER_V: (whole, mine)}.get(desc.kind, (mine, whole))   # else: gathers
-    src, dst = np.empty(sizes[0], np.float32), np.empty(sizes[1], np.float32)
-    load_float32(src, desc.send, 0, sizes[0], desc)
-    send = c._buf(src, label, writable=True, what="input")
-    recv = c._buf(dst, label, writable=True, what="output")
-    op = ReduceOp.AVG if desc.op is ReduceOp.AVG else ReduceOp.SUM
-    c._post(replace(desc, send=send, recv=recv, dtype=DType.FLOAT32, op=op, scale=1.0, wire=fmt, wire_block=block),
-            False)
-    store_float32(desc.recv.numpy(), 0, dst, desc.dtype)
 
 
 def desc_bits(desc: OpDesc) -> int:
@@ -229,13 +272,17 @@ def desc_bits(desc: OpDesc) -> int:
 
 
 class _Ran:
-    """The request of a compressed call: it ran on the caller's thread before Work was made."""
+    """The request of a compressed call that ran on the caller's thread before Work was made."""
 
     def wait(self, timeout=None) -> None:
         return None
 
     def test(self) -> bool:
         return True
+
+
+def _ran(c, label: str, async_op: bool):
+    return Work(c.session, _Ran(), label, None) if async_op else None
 
 
 class Persistent:
@@ -252,14 +299,14 @@ class Persistent:
 
     def start(self) -> None:
         if self._desc is None:
-            raise self._comm._error(self._desc_label(), "the persistent operation is closed")
+            raise self._comm.session.invalid(self._desc_label(), "the persistent operation is closed")
         if self._work is not None:
-            raise self._comm._error(self._desc_label(), "already started: wait() before starting it again")
+            raise self._comm.session.invalid(self._desc_label(), "already started: wait() before starting it again")
         self._work = run(self._comm, self._desc, self._fmt, True)
 
     def wait(self, timeout: float | None = None) -> None:
         if self._work is None:
-            raise self._comm._error(self._desc_label(), "wait() without a start()")
+            raise self._comm.session.invalid(self._desc_label(), "wait() without a start()")
         work, self._work = self._work, None
         work.wait(timeout)
 
@@ -275,19 +322,3 @@ class Persistent:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ---- the plan (comm.compress_plan), made on first use ------------------------------------------
-def _plan(c) -> Plan:
-    plan = getattr(c, "_compress_plan", None)
-    if plan is None:
-        plan = Plan(c)
-        c._compress_plan = plan
-    return plan
-
-
-def close(c) -> None:
-    """Release the sub-communicators of `c`'s compressed calls (Communicator.close calls it)."""
-    plan = getattr(c, "_compress_plan", None)
-    if plan is not None:
-        plan.close()

@@ -13,6 +13,8 @@ import shutil
 import subprocess
 import sys
 
+from .core.errors import CommError
+
 # Probes that run a program may not hold up init (COMM_DEBUG) for long.
 _PROGRAM_TIMEOUT_S = 10
 
@@ -40,8 +42,8 @@ def _engine() -> list[str]:
         lines.append(f"net {cls.net} ({', '.join(f'{k}={v}' for k, v in cls.net_options().items())}):")
         try:
             listing = _native.net_describe(cls.net, cls.net_options())
-        except _native.NativeError as e:
-            listing = f"cannot be opened: {e.args[-1]}"
+        except CommError as e:   # the engine raises comm.core.errors classes
+            listing = f"cannot be opened: {e.cause}"
         lines += ["  " + line for line in listing.splitlines() if line.strip("# ")]
     return lines
 

@@ -29,6 +29,7 @@ import socket
 import threading
 import zlib
 
+from . import checks
 from .bootstrap import auth, rendezvous
 from .core import log
 from .core.errors import CommError, Excluded, InvalidArgument, Mismatch, Revoked, TransportUnavailable
@@ -180,30 +181,32 @@ class Membership:
 
 def membership(world, op: str) -> Membership:
     """The Membership behind communicator `world`, or why it has none."""
-    reason = getattr(type(world._transport), "elastic", None)
+    s = world.session
+    reason = getattr(type(s.transport), "elastic", None)
     if reason:
         raise TransportUnavailable(f"{op} is not available on transport {world.transport!r}: {reason}",
                                    rank=world.rank, op=op)
-    m = getattr(getattr(world._ctx.store, "_root", None), "membership", None)
+    m = getattr(getattr(s.ctx.store, "_root", None), "membership", None)
     if m is None:
         raise InvalidArgument(f"{op} needs a communicator made by comm.init() or comm.join() (this one "
                               "bootstraps through another store, e.g. torchrun's)", rank=world.rank, op=op)
-    if world._closed:
-        world._refuse(op)
+    if s.closed:
+        s.refuse(op)
     return m
 
 
 def _ulfm(world, op: str) -> bool:
     """True where the transport's library revokes, agrees and shrinks (MPI's ULFM), raising
     TransportUnavailable where this job cannot (the library lacks ULFM, or it runs without it)."""
-    if not world._transport.ulfm:
+    s = world.session
+    if not s.transport.ulfm:
         return False
-    missing = world._transport.ulfm_missing()
+    missing = s.transport.ulfm_missing()
     if missing:
         raise TransportUnavailable(f"{op} is not available on transport {world.transport!r}: {missing}",
                                    rank=world.rank, op=op)
-    if world._closed or world._foreign:
-        world._refuse(op)
+    if s.closed or s.foreign:
+        s.refuse(op)
     return True
 
 
@@ -214,28 +217,30 @@ def _library(world, op: str, call, *args):
     except CommError as e:
         raise e.locate(world.rank, op) from None
     except Exception as e:   # the library's own exception type (mpi4py's MPI.Exception)
-        raise world._transport.error(e).locate(world.rank, op) from None
+        raise world.session.transport.error(e).locate(world.rank, op) from None
 
 
 def _key(world, what: str) -> str:
-    world._elastic_calls += 1
-    return f"{world._ctx.group_name}@{world.epoch}/{what}{world._elastic_calls}"
+    s = world.session
+    s.elastic_calls += 1
+    return f"{s.ctx.group_name}@{world.epoch}/{what}{s.elastic_calls}"
 
 
 def _dead(world) -> set[int]:
     """uids of the members this rank saw die (first hand, from the transport)."""
-    return {world.ranks[r] for r in world._transport.dead_peers()}
+    return {world.ranks[r] for r in world.session.transport.dead_peers()}
 
 
 def agree(world, flag: int, timeout: float | None = None) -> int:
     if not isinstance(flag, int) or isinstance(flag, bool) or not 0 <= flag < 2**62:
         raise InvalidArgument(f"flag must be an int in [0, 2**62), got {flag!r}", rank=world.rank, op="agree")
     if _ulfm(world, "agree"):
-        flag, world._failed_ranks = _library(world, "agree", world._transport.agree, flag, timeout or world.timeout)
+        flag, world.session.failed_ranks = _library(world, "agree", world.session.transport.agree, flag,
+                                                    timeout or world.timeout)
         return flag
     m = membership(world, "agree")
     decision = m.agree(_key(world, "agree"), world.ranks, flag, _dead(world), timeout or world.timeout)
-    world._failed_ranks = sorted(world.ranks.index(u) for u in decision["failed"])
+    world.session.failed_ranks = sorted(world.ranks.index(u) for u in decision["failed"])
     return decision["flag"]
 
 
@@ -254,7 +259,7 @@ def shrink(world, timeout: float | None, exclude, connect) -> "object":
     m = membership(world, "shrink")
     timeout = timeout or world.timeout
     try:
-        removed = {world.ranks[world._root("shrink", r, "excluded rank")] for r in exclude}
+        removed = {world.ranks[checks.root(world.session, "shrink", r, "excluded rank")] for r in exclude}
     except TypeError:
         raise InvalidArgument(f"exclude must be a list of ranks, got {exclude!r}", rank=world.rank, op="shrink") from None
     if m.uid in removed:
@@ -274,7 +279,7 @@ def shrink(world, timeout: float | None, exclude, connect) -> "object":
         new, ok = None, 1
         try:
             new = connect(m.store.scoped(f"{key}/c", live.index(m.uid), len(live), watch=live),
-                          world.transport, world._ctx.group_name, ranks=tuple(live))
+                          world.transport, world.session.ctx.group_name, ranks=tuple(live))
         except Excluded:
             raise
         except CommError as e:   # a member died during set-up: agree on it, then try again
@@ -282,7 +287,7 @@ def shrink(world, timeout: float | None, exclude, connect) -> "object":
             ok = 0
         done = m.agree(f"{key}/ok", live, ok, _dead(new) if new is not None else set(), timeout)
         if done["flag"] == 1 and not done["failed"]:
-            world._failed_ranks = [r for r, u in enumerate(world.ranks) if u not in live and u not in removed]
+            world.session.failed_ranks = [r for r, u in enumerate(world.ranks) if u not in live and u not in removed]
             return _succeed(world, new)
         if new is not None:
             new.abort()
@@ -299,16 +304,18 @@ def _shrink_ulfm(world, timeout, exclude):
                               "shrinks to every live rank, and a live rank that does not call shrink "
                               "would hang the others", rank=world.rank, op="shrink")
     world.revoke()   # ranks still blocked in the old communicator fail at once
-    transport, kept = _library(world, "shrink", world._transport.shrink, timeout or world.timeout)
+    s = world.session
+    transport, kept = _library(world, "shrink", s.transport.shrink, timeout or world.timeout)
     # the new group's store keys live under this shrink's own name
-    ctx = world._child_context(kept, _key(world, "shrink"), world._ctx.group_name)
-    world._failed_ranks = [r for r in range(world.size) if r not in kept]
+    ctx = s.child_context(kept, _key(world, "shrink"), s.ctx.group_name)
+    s.failed_ranks = [r for r in range(world.size) if r not in kept]
     return _succeed(world, type(world)(transport, ctx, ranks=tuple(world.ranks[r] for r in kept)))
 
 
 def _succeed(old, new):
     new.epoch = old.epoch + 1
-    new._owned_store, old._owned_store = old._owned_store, None   # the store outlives the old one
+    # the store outlives the old one
+    new.session.owned_store, old.session.owned_store = old.session.owned_store, None
     return new
 
 
@@ -316,7 +323,7 @@ def join_address(world) -> str:
     """Where processes that join through grow() find this communicator's survivors."""
     m = membership(world, "join_address")
     host, port = m.store.host_address()
-    return f"{host}:{port}/{world._ctx.group_name}@{world.epoch}/grow"
+    return f"{host}:{port}/{world.session.ctx.group_name}@{world.epoch}/grow"
 
 
 def grow(world, count: int, timeout: float | None, connect):
@@ -324,24 +331,23 @@ def grow(world, count: int, timeout: float | None, connect):
     m = membership(world, "grow")
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise InvalidArgument(f"count must be a positive int, got {count!r}", rank=world.rank, op="grow")
-    if world._failure is not None:
-        world._refuse("grow")
+    if world.session.failure is not None:
+        world.session.refuse("grow")
     ticket = join_address(world).split("/", 1)[1]
     if world.rank == 0:
         info = {"size": world.size, "count": count, "transport": world.transport,
-                "group": world._ctx.group_name, "timeout": timeout or world.timeout, "epoch": world.epoch}
+                "group": world.session.ctx.group_name, "timeout": timeout or world.timeout, "epoch": world.epoch}
         m.store.set(f"{ticket}/info", json.dumps(info).encode())
     store = m.store.scoped(f"{ticket}/c", world.rank, world.size + count, watch=list(world.ranks))
-    new = connect(store, world.transport, world._ctx.group_name)
+    new = connect(store, world.transport, world.session.ctx.group_name)
     new.ranks = tuple(m.publish(store))
     return _succeed(world, new)
 
 
 def revoke(world) -> None:
-    if world._foreign:
-        world._refuse("revoke")
+    s = world.session
+    if s.foreign:
+        s.refuse("revoke")
     _ulfm(world, "revoke")   # a ulfm transport that cannot revoke says why, before anything changes
-    if world._failure is None or not isinstance(world._failure, Revoked):
-        world._failure = Revoked("this rank revoked the communicator; shrink() it to go on",
-                                 rank=world.rank, op="revoke")
-    _library(world, "revoke", world._transport.revoke)
+    s.revoke(Revoked("this rank revoked the communicator; shrink() it to go on", rank=world.rank, op="revoke"))
+    _library(world, "revoke", s.transport.revoke)

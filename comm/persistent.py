@@ -31,18 +31,18 @@ class Persistent:
     One operation in flight per handle: wait() before the next start()."""
 
     # _work: the started operation: the request of the prepared op's start (the engine's),
-    # or a comm.Work (from Communicator._post)
-    __slots__ = ("_comm", "_desc", "_label", "_prepared", "_run", "_start", "_work")
+    # or a comm.Work (from Session.post)
+    __slots__ = ("_session", "_desc", "_label", "_prepared", "_run", "_start", "_work")
 
-    def __init__(self, comm, desc: OpDesc):
-        self._comm = comm
+    def __init__(self, session, desc: OpDesc):
+        self._session = session   # comm.session.Session of the communicator
         self._desc = desc
         self._label = desc.kind.label
-        if comm._failure is not None or comm._closed:
-            comm._refuse(self._label + "_init")
-        staged = comm._stager is not None and comm._stager.involves(desc)  # CUDA data, CPU transport
-        prepared = None if staged else comm._transport.prepare(desc)
-        self._prepared = prepared if prepared is not None else _Reposted(comm, desc, staged)
+        session.usable(self._label + "_init")
+        stager = session.stager
+        staged = stager is not None and stager.involves(desc)  # CUDA data, CPU transport
+        prepared = None if staged else session.transport.prepare(desc)
+        self._prepared = prepared if prepared is not None else _Reposted(session, desc, staged)
         self._run = getattr(prepared, "run", None)  # start + wait in one call, where there is one
         self._start = getattr(prepared, "start", None)  # the lean start, where there is one
         self._work = None
@@ -50,59 +50,59 @@ class Persistent:
     def __del__(self) -> None:
         # Dropped after a lean start() without wait(): the engine may still write the buffers
         # (the prepared op holds them), so the communicator holds them until the op ends. A
-        # comm.Work started through _post does the same itself.
+        # comm.Work started through Session.post does the same itself.
         work = getattr(self, "_work", None)
         if work is not None and type(work) is not Work:
-            self._comm._orphans.append((work, self._label, self._prepared, None))
+            self._session.orphan(work, self._label, self._prepared, None)
 
     def __repr__(self) -> str:
         state = "closed" if self._desc is None else "started" if self._work is not None else "ready"
-        return f"<comm.Persistent {self._label} on rank {self._comm.rank} ({state})>"
+        return f"<comm.Persistent {self._label} on rank {self._session.rank} ({state})>"
 
     def __call__(self) -> None:
         """start() and wait(), on the caller's thread where the transport allows."""
-        c, run = self._comm, self._run
-        if run is not None and self._work is None and c._failure is None and not c._closed:
+        s, run = self._session, self._run
+        if run is not None and self._work is None and s.ok:
             try:
-                ran = run(c._busy, c.timeout)
+                ran = run(s.busy, s.timeout)
             except BaseException as e:
-                raise c._lean_error(self._label, e) from None
-            if not ran:
-                raise c._overlap(self._label)
+                raise s.lean_error(self._label, e) from None
+            if not ran:   # False: another thread is inside a collective, nothing was done
+                raise s.overlap(self._label)
             return
         self._ready()
-        c._post(self._desc, False, self._prepared)
+        s.post(self._desc, False, self._prepared)
 
     def start(self) -> None:
         """Post the operation and return at once; wait() completes it."""
-        c, start = self._comm, self._start
-        if start is not None and self._work is None and c._failure is None and not c._closed:
-            if c._orphans:
-                c._reap_soon()
+        s, start = self._session, self._start
+        if start is not None and self._work is None and s.ok:
+            if s.orphans:
+                s.reap_soon()
             try:
-                work = start(c._busy)
+                work = start(s.busy)
             except BaseException as e:
-                raise c._lean_error(self._label, e) from None
-            if work is None:
-                raise c._overlap(self._label)
+                raise s.lean_error(self._label, e) from None
+            if work is None:   # another thread is inside a collective, nothing was done
+                raise s.overlap(self._label)
             self._work = work
             return
         self._ready()
-        self._work = c._post(self._desc, True, self._prepared)
+        self._work = s.post(self._desc, True, self._prepared)
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for the started operation (default: the communicator's timeout)."""
-        work, c = self._work, self._comm
+        work, s = self._work, self._session
         if work is None:
-            raise InvalidArgument("wait() without a start()", rank=c.rank, op=self._label)
+            raise InvalidArgument("wait() without a start()", rank=s.rank, op=self._label)
         self._work = None
         if type(work) is Work:
             work.wait(timeout)
             return
         try:
-            work.wait(c.timeout if timeout is None else timeout)
+            work.wait(s.timeout if timeout is None else timeout)
         except BaseException as e:
-            raise c._lean_error(self._label, e) from None
+            raise s.lean_error(self._label, e) from None
 
     def close(self) -> None:
         """Wait for a started operation, then release the buffers. Idempotent."""
@@ -120,22 +120,22 @@ class Persistent:
 
     def _ready(self) -> None:
         if self._desc is None:
-            raise InvalidArgument("the persistent operation is closed", rank=self._comm.rank, op=self._label)
+            raise InvalidArgument("the persistent operation is closed", rank=self._session.rank, op=self._label)
         if self._work is not None:
             raise InvalidArgument("already started: wait() before starting it again",
-                                  rank=self._comm.rank, op=self._label)
+                                  rank=self._session.rank, op=self._label)
 
 
 class _Reposted:
     """The persistent form on transports without their own: the descriptor was validated at
     set-up; each start re-reads the buffers (refusing changed ones) and posts it."""
 
-    __slots__ = ("_post", "_held", "_rank", "_label")
+    __slots__ = ("_send", "_held", "_rank", "_label")
 
-    def __init__(self, comm, desc: OpDesc, staged: bool):
-        self._post = comm._stager.post if staged else comm._transport.post
+    def __init__(self, session, desc: OpDesc, staged: bool):
+        self._send = session.stager.post if staged else session.transport.post
         self._held = held_buffers(desc)
-        self._rank, self._label = comm.rank, desc.kind.label
+        self._rank, self._label = session.rank, desc.kind.label
 
     def post(self, desc: OpDesc, blocking: bool):
         for obj, buf, written, what in self._held:
@@ -149,4 +149,4 @@ class _Reposted:
                     f"{'changed (' + cause + ')' if now is None else 'was resized, reallocated or freed'} "
                     "since the persistent operation was set up; set it up again with the current buffer",
                     rank=self._rank, op=self._label)
-        return self._post(desc, blocking)
+        return self._send(desc, blocking)

@@ -9,69 +9,54 @@ locally is refused here with InvalidArgument before anything is sent.
 """
 from __future__ import annotations
 
+from . import checks
 from .core.buffers import Buffer
-from .core.errors import TransportUnavailable, _integer, _many
+from .core.errors import TransportUnavailable
 from .core.ops import OpDesc, OpKind
 
 
-def _transport_has(c, kind: OpKind) -> None:
-    if kind not in c._transport.kinds:
-        raise TransportUnavailable(f"transport {c.transport!r} does not support {kind.label}",
-                                   rank=c.rank, op=kind.label)
-
-
-def _counts(c, name: str, counts) -> tuple[int, ...]:
-    try:  # integers of any kind (numpy's too); a float or bool is a bug, never a row count
-        counts = tuple(map(_integer, counts))
-    except TypeError:
-        raise c._error(name, f"counts {counts!r} must be a sequence of integers") from None
-    if len(counts) != c.size:
-        raise c._error(name, f"counts have {_many(len(counts), 'entry', 'entries')}, one per rank of a group of "
-                             f"{_many(c.size, 'rank', 'ranks')} expected")
-    if any(k < 0 for k in counts):
-        raise c._error(name, f"counts {list(counts)} have a negative entry")
-    return counts
-
-
-def _rows(c, name: str, buf: Buffer, rows: int, what: str, counts) -> int:
+def _rows(s, name: str, buf: Buffer, rows: int, what: str, counts) -> int:
     """Elements per row of buf, which must have `rows` rows."""
-    if len(buf.shape) == 0:
-        raise c._error(name, f"{what} must have at least one dimension")
+    row = checks.rows(s, name, buf, what)
     if buf.shape[0] != rows:
-        raise c._error(name, f"{what} has {buf.shape[0]} rows but counts {list(counts)} make it "
-                             f"{rows} on rank {c.rank}")
-    return buf.count // rows if rows else 0
+        raise s.invalid(name, f"{what} has {buf.shape[0]} rows but counts {list(counts)} make it "
+                              f"{rows} on rank {s.rank}")
+    return row
 
 
-def _pair(c, name: str, out, x, counts, gathers: bool):
-    _transport_has(c, OpKind.ALL_GATHER_V if gathers else OpKind.REDUCE_SCATTER_V)
-    counts = _counts(c, name, counts)
-    send = c._buf(x, name, writable=False, what="input")
-    recv = c._buf(out, name, writable=True, what="output")
-    c._same_type(name, send, recv)
-    mine, total = counts[c.rank], sum(counts)
-    row_in = _rows(c, name, send, mine if gathers else total, "input", counts)
-    row_out = _rows(c, name, recv, total if gathers else mine, "output", counts)
-    if send.shape[1:] != recv.shape[1:] and send.count and recv.count:
-        raise c._error(name, f"input rows {send.shape[1:]} and output rows {recv.shape[1:]} differ")
+def _pair(s, name: str, out, x, counts, gathers: bool):
+    kind = OpKind.ALL_GATHER_V if gathers else OpKind.REDUCE_SCATTER_V
+    if kind not in s.transport.kinds:
+        raise TransportUnavailable(f"transport {s.transport.name!r} does not support {kind.label}",
+                                   rank=s.rank, op=kind.label)
+    counts = checks.counts(s, name, counts, "counts")
+    send = checks.buffer(s, x, name, writable=False, what="input")
+    recv = checks.buffer(s, out, name, writable=True, what="output")
+    checks.same_type(s, name, send, recv)
+    mine, total = counts[s.rank], sum(counts)
+    row_in = _rows(s, name, send, mine if gathers else total, "input", counts)
+    row_out = _rows(s, name, recv, total if gathers else mine, "output", counts)
+    checks.same_rows(s, name, send, recv)
     row = row_in or row_out
     elems = tuple(k * row for k in counts)
-    start = sum(elems[:c.rank]) * send.dtype.itemsize   # this rank's block: the in-place layout
+    start = sum(elems[:s.rank]) * send.dtype.itemsize   # this rank's block: the in-place layout
     if gathers:
-        c._apart(name, send, recv, start, f"in place, x is rank {c.rank}'s block of out")
+        checks.apart(s, name, send, recv, start, f"in place, x is rank {s.rank}'s block of out")
     else:
-        c._apart(name, recv, send, start, f"in place, out is rank {c.rank}'s block of x")
+        checks.apart(s, name, recv, send, start, f"in place, out is rank {s.rank}'s block of x")
     return send, recv, elems
 
 
-def all_gather_v(c, out, x, counts) -> OpDesc:
-    send, recv, elems = _pair(c, "all_gather_v", out, x, counts, True)
-    return OpDesc(OpKind.ALL_GATHER_V, send, recv, send.dtype, elems[c.rank], recv_counts=elems)
+def all_gather_v(s, out, x, counts) -> OpDesc:
+    """The OpDesc of an all_gather_v on session `s` (comm.session.Session)."""
+    send, recv, elems = _pair(s, "all_gather_v", out, x, counts, True)
+    return OpDesc(OpKind.ALL_GATHER_V, send, recv, send.dtype, elems[s.rank], recv_counts=elems)
 
 
-def reduce_scatter_v(c, out, x, counts, op, scale) -> OpDesc:
+def reduce_scatter_v(s, out, x, counts, op, scale) -> OpDesc:
+    """The OpDesc of a reduce_scatter_v on session `s`."""
     name = "reduce_scatter_v"
-    send, recv, elems = _pair(c, name, out, x, counts, False)
-    rop, factor = c._reduce_op(name, op, send, scale)
-    return OpDesc(OpKind.REDUCE_SCATTER_V, send, recv, send.dtype, elems[c.rank], rop, factor,
+    send, recv, elems = _pair(s, name, out, x, counts, False)
+    rop, factor = checks.reduce_op(s, name, op, send, scale)
+    return OpDesc(OpKind.REDUCE_SCATTER_V, send, recv, send.dtype, elems[s.rank], rop, factor,
                   recv_counts=elems)

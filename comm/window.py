@@ -44,13 +44,13 @@ class Window:
     put and get are non-blocking: their bytes move in the engine (the target's application
     thread does nothing); a src must not change and a dst must not be read until flush()."""
 
-    def __init__(self, communicator, transport_window, mem: Buffer, signals: int) -> None:
-        self._comm = communicator
+    def __init__(self, session, transport_window, mem: Buffer, signals: int) -> None:
+        self._session = session   # comm.session.Session of the communicator
         self._tw = transport_window
         self._mem = mem
         self._signals = signals
         self.sizes: tuple[int, ...] = tuple(transport_window.sizes)
-        self.rank, self.size = communicator.rank, communicator.size
+        self.rank, self.size = session.rank, session.size
         # peer -> buffers the engine may still read or write: let go at the flush that ends them
         self._held: dict[int, list] = {}
         # peer -> the pinned copies (comm.staging._Staged) of CUDA buffers, likewise: that flush
@@ -103,9 +103,7 @@ class Window:
     def _usable(self, op: str) -> None:
         """Refuse a call on a closed window, a closed / revoked / failed communicator, or a
         window whose memory moved under it."""
-        c = self._comm
-        if c._failure is not None or c._closed:
-            c._refuse(op)
+        self._session.usable(op)
         if self._closed:
             raise Closed("the window is closed", rank=self.rank, op=op)
         obj = self._mem.obj
@@ -205,7 +203,7 @@ class Window:
 
     def _failed(self, op: str, e: CommError) -> CommError:
         """A transport failure: the communicator is poisoned as for any other operation."""
-        return self._comm._failed_op(op, e)
+        return self._session.failed(op, e)
 
     def _lean_failed(self, op: str, e: Exception) -> Exception:
         err = self._tw.lean_error(e, op)
@@ -218,7 +216,7 @@ class Window:
         signal=k: once these bytes and everything this rank put to `peer` before them have
         landed, the peer's counter k goes up by 1."""
         lean = self._put_lean
-        if lean is not None and self._comm._failure is None and not self._comm._closed:
+        if lean is not None and self._session.ok:
             try:
                 moved = lean(peer, src, offset, signal)
             except Exception as e:
@@ -248,7 +246,7 @@ class Window:
         dst holds them after flush; a CUDA dst is written by that flush, from pinned host
         memory)."""
         lean = self._get_lean
-        if lean is not None and self._comm._failure is None and not self._comm._closed:
+        if lean is not None and self._session.ok:
             try:
                 moved = lean(peer, dst, offset)
             except Exception as e:
@@ -275,7 +273,7 @@ class Window:
     def flush(self, peer: int | None = None) -> None:
         """Every put / get this rank issued (to `peer`, or to all) is complete at both ends."""
         lean = self._flush_lean
-        if lean is not None and self._comm._failure is None and not self._comm._closed:
+        if lean is not None and self._session.ok:
             try:
                 done = lean(peer)
             except Exception as e:
@@ -299,10 +297,10 @@ class Window:
         """Block until this rank's counter k is at least `value` (Timeout after `timeout`
         seconds, default the communicator's; a dead peer fails it; Ctrl-C works)."""
         lean = self._wait_lean
-        c = self._comm
-        if lean is not None and timeout is None and c._failure is None and not c._closed:
+        s = self._session
+        if lean is not None and timeout is None and s.ok:
             try:
-                if lean(k, value, c.timeout):
+                if lean(k, value, s.timeout):
                     return
             except Exception as e:
                 err = self._tw.lean_error(e, "wait_signal")
@@ -318,7 +316,7 @@ class Window:
             raise self._error(op, f"value {value!r} must be an integer") from None
         if not 0 <= want < 2**64:
             raise self._error(op, f"value {value!r} must be in [0, 2**64)")
-        t = self._comm.timeout if timeout is None else float(timeout)
+        t = self._session.timeout if timeout is None else float(timeout)
         if t < 0:
             raise self._error(op, f"timeout {timeout!r} must not be negative")
         try:
@@ -344,24 +342,23 @@ class Window:
 
     def _collective(self, op: str) -> None:
         """The transport's fence, as one collective of the communicator (one at a time)."""
-        c = self._comm
-        if not c._busy.acquire(False):
-            raise c._overlap(op)
+        s = self._session
+        if not s.busy.acquire(False):
+            raise s.overlap(op)
         try:
             self._tw.fence()
         except CommError as e:
             self._abandon(None)
             raise self._failed(op, e) from None
         finally:
-            c._busy.release()
+            s.busy.release()
 
     def close(self) -> None:
         """Collective: fence, then the window is gone (later calls raise Closed). Idempotent."""
         if self._closed:
             return
         op = "window.close"
-        c = self._comm
-        if c._failure is not None or c._closed:  # nothing can reach it any more: just let go
+        if not self._session.ok:  # nothing can reach it any more: just let go
             self._set_closed()
             self._tw.close()
             return

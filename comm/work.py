@@ -1,12 +1,11 @@
 """Work: the handle of an asynchronous operation (torch.distributed's name and methods).
 
-The native engine's lean path (all_reduce or broadcast of one plain array) returns its own
-implementation of this class, comm._native.LeanWork (native/src/binding/work.cc), registered as a
-comm.Work: on small messages a Python handle costs more than the operation. Both behave alike.
+A Work holds the transport's request and waits on it through its communicator's Session
+(comm.session): the session maps a failure, poisons the communicator and holds the buffers of
+a Work dropped before its operation ended.
 """
 from __future__ import annotations
 
-import abc
 import threading
 
 from .core.errors import CommError
@@ -16,7 +15,7 @@ from .core.errors import CommError
 _CALLBACKS = threading.Lock()
 
 
-class Work(metaclass=abc.ABCMeta):   # ABCMeta: LeanWork registers as a Work
+class Work:
     """Returned by every operation called with ``async_op=True`` (and by isend / irecv).
 
     wait(timeout=None) blocks until the operation completes (default: the communicator's
@@ -26,11 +25,11 @@ class Work(metaclass=abc.ABCMeta):   # ABCMeta: LeanWork registers as a Work
     dropped unwaited (the communicator then holds them, and releases them once it sees the end).
     """
 
-    __slots__ = ("_comm", "_req", "_label", "_keep", "_entry", "_error", "_done", "_callbacks")
+    __slots__ = ("_session", "_req", "_label", "_keep", "_entry", "_error", "_done", "_callbacks")
 
-    def __init__(self, comm, req, label: str, keep, entry=None):
-        self._comm = comm
-        self._req = req          # the transport's request (the engine's: _native.Request)
+    def __init__(self, session, req, label: str, keep, entry=None):
+        self._session = session  # comm.session.Session: the communicator's state and posting
+        self._req = req          # the transport's request (comm.core.ops.Request)
         self._label = label      # the operation's name, for errors
         self._keep = keep        # what holds the buffers (an OpDesc, or the arrays themselves)
         self._entry = entry      # the flight recorder's line for this op (None: the engine's)
@@ -42,36 +41,46 @@ class Work(metaclass=abc.ABCMeta):   # ABCMeta: LeanWork registers as a Work
         # Dropped while its operation may still run (never waited): the transport may still
         # write the buffers, so the communicator holds them until it sees the operation end.
         if not self._done and self._keep is not None:
-            self._comm._orphans.append((self._req, self._label, self._keep, self._entry))
+            self._session.orphan(self._req, self._label, self._keep, self._entry)
 
     def wait(self, timeout: float | None = None) -> bool:
         if not self._done:
-            c = self._comm
-            if c._foreign:
-                c._refuse("wait")
-            try:
-                error = c._outcome(self._req, self._label, self._entry, c.timeout if timeout is None else timeout)
+            s = self._session
+            if s.foreign:
+                s.refuse("wait")
+            try:   # Session.outcome inlined: this is the async latency path
+                self._req.wait(s.timeout if timeout is None else timeout)
+            except CommError as e:
+                self._finish(s.failed(self._label, e, self._entry))
             except BaseException as e:  # Ctrl-C while waiting
-                c._interrupted(e, self._entry)
+                s.interrupted(e, self._entry)
                 raise
-            self._finish(error)
+            else:
+                if self._entry is not None:
+                    self._entry[5] = "done"
+                self._finish(None)
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         if not self._done:
-            c = self._comm
-            if c._foreign:
-                c._refuse("is_completed")
+            s = self._session
+            if s.foreign:
+                s.refuse("is_completed")
             try:
                 if not self._req.test():
                     return False
             except CommError as e:
-                self._finish(c._failed_op(self._label, e, self._entry))
+                self._finish(s.failed(self._label, e, self._entry))
                 return True
-            self._finish(c._outcome(self._req, self._label, self._entry, 0))
+            self._finish(s.outcome(self._req, self._label, self._entry, 0))
         return True
+
+    @property
+    def request(self):
+        """The transport's request (comm.core.ops.Request) this Work waits on."""
+        return self._req
 
     @property
     def source(self) -> int:

@@ -335,21 +335,31 @@ def run_ranks(fn, n: int, *args, transport: str = "native", env: dict | None = N
         cluster.close()
 
 
-def build_native_test(tmp_path, test: str, sources: tuple[str, ...]) -> str:
-    """native/tests/<test>.cc with `sources` of native/src, built by the system compiler with
-    warnings as errors and sanitizers, then run: its stdout."""
+def build_native_test(test: str) -> str:
+    """native/tests/<test>.cc, a CMake target linking the engine library, built with warnings as
+    errors and sanitizers, then run: its stdout.
+
+    One build tree, build/ctest, serves every test and every session (only what changed is
+    rebuilt, the engine itself once): it is configured with the tests on, the sanitizers on, and
+    without the extension, UCX or verbs (no nanobind, no optional headers needed). A lock keeps
+    concurrent sessions (or pytest workers) from building it at the same time."""
+    import fcntl
+
     import pytest
+    cmake = shutil.which("cmake")
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++")
-    if cxx is None:
-        pytest.skip(f"no C++ compiler here to build native/tests/{test}.cc")
-    exe = str(tmp_path / test)
-    native = os.path.join(ROOT, "native")
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror", "-fsanitize=address,undefined",
-                            os.path.join(native, "tests", f"{test}.cc"),
-                            *(os.path.join(native, "src", f) for f in sources),
-                            "-o", exe],
-                           capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([exe], capture_output=True, text=True, timeout=60)
+    if cmake is None or cxx is None:
+        pytest.skip(f"no {'cmake' if cmake is None else 'C++ compiler'} here to build native/tests/{test}.cc")
+    build_dir = os.path.join(ROOT, "build", "ctest")
+    os.makedirs(build_dir, exist_ok=True)
+    with open(os.path.join(build_dir, "build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for step in ([cmake, "-S", os.path.join(ROOT, "native"), "-B", build_dir, "-DCMAKE_BUILD_TYPE=Debug",
+                      "-DCOMM_BUILD_TESTS=ON", "-DCOMM_SANITIZE=ON", "-DCOMM_BUILD_EXTENSION=OFF",
+                      "-DCOMM_WITH_UCX=OFF", "-DCOMM_WITH_VERBS=OFF"],
+                     [cmake, "--build", build_dir, "--target", test, "-j", str(min(os.cpu_count() or 1, 8))]):
+            build = subprocess.run(step, capture_output=True, text=True, timeout=900)
+            assert build.returncode == 0, build.stdout[-8000:] + build.stderr[-8000:]
+    run = subprocess.run([os.path.join(build_dir, "tests", test)], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     return run.stdout

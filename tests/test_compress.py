@@ -1,8 +1,8 @@
 """Compressed collectives (comm.compress): the wire formats' kernels against numpy references,
-the collectives on real ranks against the exact path within the README's error bound (random
-data and adversarial ranges: zeros, denormals, 1e30, NaN and Inf), identical results on every
-rank, the validation errors, the choice of path, and (slow) the two-level form across simulated
-hosts and the torch DDP hook."""
+the collectives on real ranks against the exact path within docs/compress.md's error bound
+(random data and adversarial ranges: zeros, denormals, 1e30, NaN and Inf), identical results on
+every rank, the validation errors, the choice of path, mpi through its native sibling, and
+(slow) the two-level form across simulated hosts and the torch DDP hook."""
 from __future__ import annotations
 
 import io
@@ -22,7 +22,7 @@ F32_EPS = 2.0 ** -24
 
 
 def bound(fmt: str, n: int, magnitude: np.ndarray, block_max: np.ndarray) -> np.ndarray:
-    """The README's worst error of a compressed sum over n ranks, per element: magnitude is
+    """docs/compress.md's worst error of a compressed sum over n ranks, per element: magnitude is
     sum_i |x_i|, block_max sum_i (largest |x_i| of the element's fp8 block); the last term is
     bf16's half step among float32's subnormals, per quantization."""
     u = 2.0 ** -8 if fmt == "bf16" else 2.0 ** -4
@@ -223,9 +223,9 @@ def test_compressed_collectives_hold_the_bound_on_four_ranks(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bf16", *harness_slow("fp8")])
-def test_plan_on_mpi_holds_the_bound(fmt):
-    """The plan (comm/compress_plan.py): what a transport without a compressing engine runs (mpi
-    under mpirun), with the same guarantees as the engine's forms."""
+def test_mpi_through_a_native_sibling_holds_the_bound(fmt):
+    """A transport whose engine does not compress (mpi under mpirun) runs its compressed calls
+    on a native communicator beside it (comm.compress._sibling): the same guarantees."""
     from transports import base
     if base.unavailable_reason("mpi") is not None:
         pytest.skip(f"mpi: {base.unavailable_reason('mpi')}")

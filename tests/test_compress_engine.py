@@ -1,9 +1,9 @@
 """The compressed all_reduce, reduce_scatter, all_gather and v forms inside the native engine
-(native/src/algorithms/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank the same
-bits, the README's error bound, NaN and Inf as on the exact path, real asynchronous Work, the
-engine's own validation, and a rank on the exact path beside compressed ones failing instead
-of hanging. Quick: one host with
-COMM_COMPRESS=force (the flat form); slow: 2 simulated hosts x 2 ranks (the two-level form)."""
+(native/src/algorithms/twolevel_compress.cc): odd sizes and fp8 blocks cut anywhere, every rank
+the same bits, docs/compress.md's error bound, NaN and Inf as on the exact path, real
+asynchronous Work, the engine's own validation, and a rank on the exact path beside compressed
+ones failing instead of hanging. Quick: one host with COMM_COMPRESS=force (the flat form);
+slow: 2 simulated hosts x 2 ranks (the two-level form)."""
 from __future__ import annotations
 
 import numpy as np
@@ -54,7 +54,7 @@ def odd_sizes_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dic
         world.all_reduce(exact)
         work = world.all_reduce(x, out=got, compress=fmt, async_op=True)
         work.wait()
-        res["algorithms"].add(world._transport._engine.last_algorithm)
+        res["algorithms"].add(world.session.transport._engine.last_algorithm)
         same = np.empty(n * count, np.float32)
         world.all_gather(same, got)
         identical = all(np.array_equal(same[q * count:(q + 1) * count], got, equal_nan=True) for q in range(n))
@@ -111,7 +111,7 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         exact, got = np.empty(count, np.float32), np.empty(count, np.float32)
         world.reduce_scatter(exact, x, op)
         world.reduce_scatter(got, x, op, compress=fmt, async_op=True).wait()
-        res["algorithms"].add(world._transport._engine.last_algorithm)
+        res["algorithms"].add(world.session.transport._engine.last_algorithm)
         scale = n if op is comm.AVG else 1
         specials, over = _against(exact, got, lambda: bound(fmt, n, np.abs(xs.astype(np.float64)).sum(axis=0),
                                                             block_max(xs, block)), scale)
@@ -122,7 +122,7 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         world.all_gather(ys, y)
         ag = np.empty(n * count, np.float32)
         world.all_gather(ag, y, compress=fmt, async_op=True).wait()
-        res["algorithms"].add(world._transport._engine.last_algorithm)
+        res["algorithms"].add(world.session.transport._engine.last_algorithm)
         same = np.empty(n * n * count, np.float32)
         world.all_gather(same, ag)
         identical = all(np.array_equal(same[q * n * count:(q + 1) * n * count], ag, equal_nan=True) for q in range(n))
@@ -141,7 +141,7 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         exact, got = np.empty(counts[r], np.float32), np.empty(counts[r], np.float32)
         world.reduce_scatter_v(exact, v, counts)
         world.reduce_scatter_v(got, v, counts, compress=fmt, async_op=True).wait()
-        res["algorithms"].add(world._transport._engine.last_algorithm)
+        res["algorithms"].add(world.session.transport._engine.last_algorithm)
         specials, over = _against(exact, got, lambda: bound(fmt, n, np.abs(mine.astype(np.float64)).sum(axis=0),
                                                             block_max(mine, block)))
         res[f"reduce_scatter_v {count}"] = (True, specials, over)
@@ -149,7 +149,7 @@ def shards_suite(world, fmt: str, counts=ODD_COUNTS, block: int = 256) -> dict:
         want, agv = np.empty(int(starts[-1]), np.float32), np.empty(int(starts[-1]), np.float32)
         world.all_gather_v(want, w, counts)
         world.all_gather_v(agv, w, counts, compress=fmt, async_op=True).wait()
-        res["algorithms"].add(world._transport._engine.last_algorithm)
+        res["algorithms"].add(world.session.transport._engine.last_algorithm)
         same = np.empty(n * agv.size, np.float32)
         world.all_gather(same, agv)
         identical = all(np.array_equal(same[q * agv.size:(q + 1) * agv.size], agv, equal_nan=True) for q in range(n))
@@ -202,8 +202,9 @@ def test_engine_reduce_scatter_all_gather_odd_sizes(fmt):
 def engine_refusals(world) -> list[str]:
     """The engine's own checks, past the communicator's (a caller of comm._native)."""
     import comm
-    from comm import _native
-    eng = world._transport._engine
+    from comm.core.buffers import as_buffer
+    from comm.core.ops import OpDesc
+    eng = world.session.transport._engine
     x = np.ones(64, np.float64)
     y = np.ones(64, np.float32)
     seen = []
@@ -216,11 +217,11 @@ def engine_refusals(world) -> list[str]:
                                               (2, 3, 0, x, 2, 256)):  # all_gather of float64
         try:
             count = 64 // world.size if kind in (1, 2) else 64
-            eng.post(kind, dtype, op, 1.0, buf.ctypes.data, buf.nbytes if kind != 2 else count * buf.itemsize,
-                     buf.ctypes.data, buf.nbytes if kind != 1 else count * buf.itemsize,
-                     count, 0, -1, 0, (), (), True, wire, block)
+            send = as_buffer(buf[:count] if kind == 2 else buf, op="test", writable=False)
+            recv = as_buffer(buf[:count] if kind == 1 else buf, op="test", writable=True)
+            eng.post(OpDesc(kind, send, recv, dtype, count, op, wire=wire, wire_block=block), True)
             seen.append("accepted")
-        except _native.NativeError as e:
+        except comm.InvalidArgument as e:
             seen.append(str(e))
     world.all_reduce(y)   # still usable
     seen.append(float(y[0]))

@@ -149,7 +149,7 @@ def check_v_collectives(world, dtypes, most, seeds=(0, 1), every_op=True):
     """all_gather_v / reduce_scatter_v (and their persistent forms) with uneven counts,
     zeros included, every op of every dtype; or, on a transport without them, the refusal."""
     problems, n, r = [], world.size, world.rank
-    if not world._transport.kinds >= {OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V}:
+    if not world.session.transport.kinds >= {OpKind.ALL_GATHER_V, OpKind.REDUCE_SCATTER_V}:
         for call in (lambda: world.all_gather_v(np.zeros(1), np.zeros(1), [1] * n),
                      lambda: world.reduce_scatter_v(np.zeros(1), np.zeros(n), [1] * n)):
             try:

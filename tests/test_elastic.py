@@ -436,7 +436,7 @@ def fsdp2_after_shrink(world, victim):
     full = [p.full_tensor().tolist() for p in model.parameters()]
     assert torch.distributed.get_world_size() == 2   # the shrunk group became torch's default
     torch.distributed.destroy_process_group()        # and torch's own teardown closes it
-    assert new._closed
+    assert new.session.closed
     return new.ranks, full
 
 

@@ -187,9 +187,9 @@ def test_a_lazy_circle_and_an_upward_import_are_found(tmp_path):
         "comm/__init__.py": "from .communicator import Communicator\n",
         "comm/core/config.py": "from .errors import InvalidArgument\n\ndef pick():\n    from transports import base\n",
         "comm/core/errors.py": "",
-        "comm/communicator.py": "from . import config\n",
+        "comm/communicator.py": "from .core import config\n",
         "transports/__init__.py": "",
-        "transports/base.py": "from comm import config\n\ndef get():\n    from comm.communicator import connect\n",
+        "transports/base.py": "from comm.core import config\n\ndef get():\n    from comm.communicator import connect\n",
         "bench/__init__.py": "import comm\nimport transports.base\n",
     })
     report = cycle_report(root)
@@ -204,17 +204,17 @@ def test_a_lazy_circle_and_an_upward_import_are_found(tmp_path):
 
 def test_from_package_import_name_is_the_package(tmp_path):
     """`from comm import CommError` needs comm/__init__.py (which imports the communicator);
-    `from comm import errors` only the module."""
+    `from comm.core import errors` only the module."""
     root = _tree(tmp_path, {
-        "comm/__init__.py": "from .errors import CommError\nfrom .communicator import Communicator\n",
+        "comm/__init__.py": "from .core.errors import CommError\nfrom .communicator import Communicator\n",
         "comm/core/errors.py": "",
         "comm/communicator.py": "from transports import base\n",
         "transports/__init__.py": "",
-        "transports/base.py": "from comm import errors\n",
-        "transports/mpi/__init__.py": "from comm import CommError, errors\n",
+        "transports/base.py": "from comm.core import errors\n",
+        "transports/mpi/__init__.py": "from comm import CommError\nfrom comm.core import errors\n",
     })
     graph = imports(root)
     assert graph["transports.base"] == {"comm.core.errors": 1}
-    assert graph["transports.mpi"] == {"comm.core.errors": 1, "comm": 1}
+    assert graph["transports.mpi"] == {"comm": 1, "comm.core.errors": 2}
     assert cycle_report(root) == []
     assert layer_report(root) == ["transports/mpi/__init__.py:1: transports.mpi (transports) imports comm (comm), a layer above it"]

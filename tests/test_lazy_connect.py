@@ -20,7 +20,7 @@ _no_netns = unavailable()
 
 
 def engine(world):
-    return world._transport._engine
+    return world.session.transport._engine
 
 
 def plan(world):
@@ -141,11 +141,11 @@ def lazy_suite(world, flat_a2a_on_demand: bool):
     made = engine(world).connected_on_demand
     if made:
         problems.append(f"rank {world.rank}: the planned collectives connected {made} peer(s) on first use "
-                        f"(the plan misses them); {world._transport.connected_peers()}")
+                        f"(the plan misses them); {world.session.transport.connected_peers()}")
     if flat_a2a_on_demand:
         problems += all_to_alls(world)
     problems += on_demand_kinds(world)
-    return problems, world._transport.connected_peers(), fds()
+    return problems, world.session.transport.connected_peers(), fds()
 
 
 def check(results, n):
@@ -245,7 +245,7 @@ def wait_blocked(world, victim):
 
 
 def connections(world):
-    return world._transport.connected_peers(), os.getpid()
+    return world.session.transport.connected_peers(), os.getpid()
 
 
 def every_kind(world):
@@ -266,7 +266,7 @@ def every_kind(world):
     sub.all_reduce(z)
     sub.close()
     world.barrier()
-    counted, peers = fds(), len(world._transport.connected_peers())
+    counted, peers = fds(), len(world.session.transport.connected_peers())
     # nobody starts the sends below (to rank 0: connections on first use) before every rank
     # counted: rank 0 counted 143 in CI, 21 of them sets from faster ranks already arriving
     world.barrier()

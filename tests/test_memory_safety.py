@@ -133,7 +133,7 @@ def engine_refuses(world) -> list[str]:
     """Operations whose counts exceed the buffers they carry, posted straight to the native
     transport (the Communicator's checks bypassed): each must raise InvalidArgument and
     touch no byte; the communicator then still works."""
-    n, r, transport, problems = world.size, world.rank, world._transport, []
+    n, r, transport, problems = world.size, world.rank, world.session.transport, []
     arrays = []
 
     def buf(count: int):
@@ -187,8 +187,7 @@ def engine_refuses(world) -> list[str]:
     b = buf(c)
     for kind, dtype, op in [(99, 2, 0), (-1, 2, 0), (0, 10, 0), (0, 2, 9), (0, -3, 0)]:
         try:
-            transport._engine.post(kind, dtype, op, 1.0, b.ptr, b.nbytes, b.ptr, b.nbytes, c, 0, -1, 0,
-                                   (), (), True)
+            transport._engine.post(OpDesc(kind, b, b, dtype, c, op), True)
             problems.append(f"rank {r}: codes {(kind, dtype, op)}: accepted")
         except Exception as e:
             if "unknown" not in str(e):

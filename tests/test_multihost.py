@@ -89,7 +89,7 @@ def suite(world, placement):
                 a = a.copy()
                 got = call(c, a)
                 out[kind, label] = a if got is None else got
-                used.setdefault((name, kind), set()).add(c._transport.last_algorithm)
+                used.setdefault((name, kind), set()).add(c.session.transport.last_algorithm)
         results[name] = out
     for key, value in results["auto"].items():
         for other in ("flat", "twolevel"):
@@ -124,7 +124,7 @@ def suite(world, placement):
     for name, c in (("auto", world), ("flat", flat)):
         out = np.empty(4099, np.int64)
         c.reduce_scatter(out, rs_input(r))
-        algo = c._transport.last_algorithm
+        algo = c.session.transport.last_algorithm
         if not np.array_equal(out, want):
             problems.append(f"rank {r}: reduce_scatter wrong under {name} ({algo})")
         if (algo == "twolevel") != (shards and name == "auto"):
@@ -135,7 +135,7 @@ def suite(world, placement):
     for name, c in (("auto", world), ("flat", flat), ("twolevel", forced)):
         out = np.empty_like(y)
         c.all_to_all(out, y)
-        swapped[name] = out, c._transport.last_algorithm
+        swapped[name] = out, c.session.transport.last_algorithm
     want = np.concatenate([((np.arange(n * 5003, dtype=np.int64) * (q + 7)) % 100_003)[r * 5003:(r + 1) * 5003]
                            for q in range(n)])
     for name, (out, algo) in swapped.items():
@@ -255,7 +255,7 @@ def run_suite(hosts, placement, transport):
 
 
 def moe_layer(world):
-    return ep_layer_all(world), world._transport.last_algorithm
+    return ep_layer_all(world), world.session.transport.last_algorithm
 
 
 @pytest.mark.parametrize("name", ["2x2", *slow("cyclic", "3+1")])

@@ -41,7 +41,7 @@ def check_every_collective(world, algo, channels):
         p = mismatch(got, want, dtype, f"{kind} {what}")
         if p:
             problems.append(f"rank {r} algo={algo}: {p}")
-        used.setdefault(kind, set()).add(world._transport.last_algorithm)
+        used.setdefault(kind, set()).add(world.session.transport.last_algorithm)
 
     for dtype, op in CASES:
         for count in COUNTS:
@@ -72,7 +72,7 @@ def check_every_collective(world, algo, channels):
             if r == root:
                 note("reduce", what, out, reduce(ins, op, dtype, 0.5), dtype)
             else:
-                used.setdefault("reduce", set()).add(world._transport.last_algorithm)
+                used.setdefault("reduce", set()).add(world.session.transport.last_algorithm)
 
         ins = [values(dtype, 1001, q, 99) for q in range(n)]
         out = empty(1001 * n, dtype)
@@ -88,7 +88,7 @@ def check_every_collective(world, algo, channels):
         if r == 0:
             note("gather", dtype.name, out, np.concatenate(ins), dtype)
         else:
-            used.setdefault("gather", set()).add(world._transport.last_algorithm)
+            used.setdefault("gather", set()).add(world.session.transport.last_algorithm)
 
         full = values(dtype, 1001 * n, 0, 5)
         out = empty(1001, dtype)
@@ -105,7 +105,7 @@ def check_every_collective(world, algo, channels):
     note("all_to_all", "uneven", out, want.reshape(-1), DType.INT32)
 
     world.barrier()
-    used.setdefault("barrier", set()).add(world._transport.last_algorithm)
+    used.setdefault("barrier", set()).add(world.session.transport.last_algorithm)
     return problems, {k: sorted(v) for k, v in used.items()}
 
 
@@ -144,7 +144,7 @@ def tuned_runs(world, count, calls):
     for i in range(calls):
         x = np.full(count, world.rank + i, np.float32)
         world.all_reduce(x)
-        ran.append(world._transport.last_algorithm)
+        ran.append(world.session.transport.last_algorithm)
         right.append(bool((x == sum(r + i for r in range(world.size))).all()))
     return ran, right
 
@@ -221,7 +221,7 @@ def all_to_all_sizes(world):
         want = np.concatenate([np.full((rows(q, r), width), 10 * q + r, np.float32) for q in range(n)])
         if not (out == want).all():
             problems.append(f"rank {r}: all_to_all rows of {width} wrong")
-        used.append(world._transport.last_algorithm)
+        used.append(world.session.transport.last_algorithm)
     return problems, used
 
 

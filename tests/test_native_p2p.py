@@ -1,4 +1,4 @@
-"""Native send / recv: MPI-style non-blocking semantics (see native/ALGORITHMS.md, "Send/recv").
+"""Native send / recv: MPI-style non-blocking semantics (see native/src/core/README.md, "Send / recv").
 
 Any posting order of isend / irecv completes; same (peer, tag) messages match in order,
 different tags in any order; p2p progresses independently of collectives; failures are

@@ -180,5 +180,5 @@ def _sum(world):
 
 
 def _listener_port(world):
-    info = json.loads(world._ctx.store.get(f"native/info/{world.rank}"))
+    info = json.loads(world.session.ctx.store.get(f"native/info/{world.rank}"))
     return info["addr"], info["port"]

@@ -81,7 +81,7 @@ def test_world_of_one_premul_async_and_tag_refusal():
         assert torch.equal(x.cpu(), torch.arange(10, dtype=torch.float32) * 2)
         buf = as_buffer(x, op="send", writable=False)
         with pytest.raises(comm.InvalidArgument, match="no tags"):
-            world._transport.post(OpDesc(OpKind.SEND, buf, None, buf.dtype, buf.count, peer=0, tag=3), True)
+            world.session.transport.post(OpDesc(OpKind.SEND, buf, None, buf.dtype, buf.count, peer=0, tag=3), True)
 
 
 # ---- device choice and the agreement before NCCL is entered (pure, and over a real store) ------
@@ -115,7 +115,7 @@ def test_gpu_problem_names_failed_ranks_then_shared_gpus():
 def _agree(world):
     from comm.core import gpu
     from comm import staging
-    chosen = staging.cuda_transport(world._ctx.store.scoped("cuda-agree"), "native", None)
+    chosen = staging.cuda_transport(world.session.ctx.store.scoped("cuda-agree"), "native", None)
     return chosen, [n for n in gpu._noticed if "pinned host memory over the native" in n]
 
 

@@ -138,7 +138,7 @@ AGENT_STORE_JOB = """
 import sys, comm
 port = int(sys.argv[1])
 with comm.init(rank=0, world_size=1, master_port=port, timeout=10) as world:
-    print("served on", world._owned_store._sock.getpeername()[1], "type", type(world._owned_store).__name__)
+    print("served on", world.session.owned_store._sock.getpeername()[1], "type", type(world.session.owned_store).__name__)
 """
 
 
@@ -179,7 +179,7 @@ def test_unknown_interface_refused(monkeypatch):
 def bound_peer_address(world):
     x = np.ones(4)
     world.all_reduce(x)
-    return world._ctx.bind_addr, float(x[0])
+    return world.session.ctx.bind_addr, float(x[0])
 
 
 @pytest.mark.skipif(base.unavailable_reason("native") is not None, reason="native transport not built")
@@ -209,4 +209,4 @@ def test_job_over_ipv6():
 def peer_addresses(world):
     x = np.ones(4)
     world.all_reduce(x)
-    return world._ctx.store.local_address(), float(x[0])
+    return world.session.ctx.store.local_address(), float(x[0])

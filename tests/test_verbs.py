@@ -4,7 +4,7 @@ What needs no RDMA device runs everywhere: the wire format, credit accounting, t
 slots, address records and GID choice are C++ (native/src/channels/verbs/verbs_wire.cc), checked by
 native/tests/verbs_wire_test.cc, and the keys, chunks and completion accounting of windows over
 RDMA WRITE / READ (native/src/windows/window_verbs_plan.cc) by native/tests/window_verbs_plan_test.cc,
-both built here with the system compiler; discovery must say why verbs cannot run. A run over
+both built here with CMake, linking the engine library; discovery must say why verbs cannot run. A run over
 queue pairs needs an active RDMA port and skips with the reason discovery gives."""
 from __future__ import annotations
 
@@ -34,22 +34,23 @@ def _rdma_devices_listed() -> bool:
     return os.path.isdir("/sys/class/infiniband") and bool(os.listdir("/sys/class/infiniband"))
 
 
-def test_wire_credits_address_and_gid_choice(tmp_path):
+@pytest.mark.slow   # links the engine library built with sanitizers: about 90 s on 2 cores, once
+def test_wire_credits_address_and_gid_choice():
     """native/tests/verbs_wire_test.cc, built with warnings as errors and sanitizers: immediates,
     credits, the stream in slots (sizes across slots, a header mismatch before any payload byte,
     drained splits, a header read apart from its body), address records, GID choice."""
-    out = build_native_test(tmp_path, "verbs_wire_test", ("verbs_wire.cc", "channel.cc", "common.cc"))
+    out = build_native_test("verbs_wire_test")
     assert "all checks passed" in out
 
 
-@pytest.mark.slow   # a sanitizer build of a C++ unit test: seconds of compiling
-def test_window_keys_chunks_and_completions(tmp_path):
+@pytest.mark.slow   # links the engine library built with sanitizers: about 90 s on 2 cores, once
+def test_window_keys_chunks_and_completions():
     """native/tests/window_verbs_plan_test.cc: the device-free half of windows over RDMA WRITE /
     READ (native/src/windows/window_verbs_plan.cc): the window key (round trip; short, long, foreign and
     wrapping keys refused), range checks at the window's edges, work-request ids apart from the
     channel's own, chunk cutting, and chunks in flight against a model (stray completions,
     failures kept for the next flush, abandoned READs, a lost queue pair)."""
-    out = build_native_test(tmp_path, "window_verbs_plan_test", ("window_verbs_plan.cc",))
+    out = build_native_test("window_verbs_plan_test")
     assert "window_verbs_plan: all checks passed" in out
 
 

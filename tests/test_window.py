@@ -358,34 +358,35 @@ def _hostile(world):
     """Rank 0's engine is told rank 1's window is larger than it is, and that a closed window
     is open (as a buggy or hostile peer would act): rank 1's engine refuses, writes nothing,
     and rank 0's flush names rank 1 and why."""
-    from comm import _native
+    from comm import _native, checks
     me = world.rank
     guard = np.full(96, 5, np.uint8)
     window = guard[16:48]   # 32 bytes; the rest must never change
-    tw = world._transport.window(world._buf(window, "window", writable=True, what="window"), 4)
+    s = world.session
+    tw = s.transport.window(checks.buffer(s, window, "window", writable=True, what="window"), 4)
     result = None
     world.barrier()
     if me == 0:
         lie = [(0, 1 << 20, 0, 0, -1)] * 2
-        w = _native.window(world._transport._engine, 0, 0, 4)
+        w = _native.window(world.session.transport._engine, 0, 0, 4)
         lie[1] = (0, 1 << 20, tw.peers[1][2], os.getpid(), -1)   # rank 1's true window id
         w.connect(lie)
         w.put(1, np.zeros(64, np.uint8).ctypes.data, 64, 8, -1)   # 64 bytes at 8: past 32
         try:
             w.flush(1, 10.0)
-        except _native.NativeError as e:
-            result = ("outside its window" in str(e), e.args[1])
+        except comm.InvalidArgument as e:   # the target named by its rank
+            result = ("outside its window" in str(e), 1 if "rank 1 refused" in e.cause else None)
         w.close()
     world.barrier()
     tw.close()
     world.barrier()
     if me == 0:   # rank 1's window is closed now: a put into it is refused too
-        w = _native.window(world._transport._engine, 0, 0, 4)
+        w = _native.window(world.session.transport._engine, 0, 0, 4)
         w.connect([(0, 64, 0, 0, -1), (0, 64, tw.peers[1][2], os.getpid(), -1)])
         w.put(1, np.zeros(8, np.uint8).ctypes.data, 8, 0, -1)
         try:
             w.flush(1, 10.0)
-        except _native.NativeError as e:
+        except comm.InvalidArgument as e:
             result = result + ("no such window" in str(e),)
         w.close()
     world.barrier()
@@ -451,7 +452,7 @@ def _all_pairs(world, allocated=False):
     """Every rank puts into every other's window, with a signal: peers outside the engine's
     plan (not connected at set-up) are connected on first use. allocated: windows the library
     allocates, mapped by the peers on the same host, messages to the other host."""
-    before = sorted(world._transport.connected_peers())
+    before = sorted(world.session.transport.connected_peers())
     nbytes = 8 * world.size
     with world.window(nbytes if allocated else np.zeros(nbytes, np.uint8), signals=1) as w:
         buf = w.buffer

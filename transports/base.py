@@ -59,15 +59,20 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def post(self, desc: OpDesc, blocking: bool) -> Request: ...
 
-    # The lean path (optional): run_array(busy, kind, x, out, op, root, counts, timeout_s) runs
-    # one blocking all_reduce, broadcast, all_gather, reduce_scatter, all_gather_v or
-    # reduce_scatter_v (the last two with `counts`, else None) in a single call, holding the
-    # communicator's `busy` lock (taken without blocking), and returns None; or LEAN_BUSY,
-    # having done nothing, when another thread holds the lock; or LEAN_SKIPPED, having done
-    # nothing, when its arguments are not the plain case it checks for itself (the
-    # communicator then validates and posts as usual). Its exceptions go through error().
-    # post_array(communicator, busy, kind, x, out, op, root, counts, label) is its asynchronous form:
-    # a comm.Work that holds x and out until the operation ends, instead of None.
+    # The lean path (optional; the native engine's), the contract the communicator codes to:
+    #   run_array(busy, kind, x, out, op, root, counts, timeout_s) runs one blocking
+    #   all_reduce, broadcast, all_gather, reduce_scatter, all_gather_v, reduce_scatter_v or
+    #   all_to_all (the v forms with `counts`, all_to_all with (out_splits, in_splits) or None)
+    #   of the caller's own arrays in a single call, holding the communicator's `busy` lock
+    #   (taken without blocking), and returns None; or LEAN_BUSY, having done nothing, when
+    #   another thread holds the lock; or LEAN_SKIPPED, having done nothing, when its
+    #   arguments are not the plain case it checks for itself (the communicator then
+    #   validates and posts as usual, naming any problem).
+    #   post_array(busy, kind, x, out, op, root, counts, label) is its asynchronous form: it
+    #   returns the posted operation's Request (wait(timeout) raises its CommError, named
+    #   `label`; test(); source) instead of None, and the caller holds x and out until it ends.
+    # Both raise CommError subclasses with rank and op set (a signal handler's exception,
+    # Ctrl-C, as it is).
     run_array = None
     post_array = None
 
@@ -75,14 +80,15 @@ class Transport(abc.ABC):
         """A persistent form of the validated `desc` (comm.persistent): an object with
         post(desc, blocking) -> Request, and optionally run(busy, timeout_s) (start + wait in
         one call under the `busy` lock as run_array takes it, False when another thread holds
-        it; exceptions through error()) and start(busy) (the non-blocking post under that lock:
-        a request, with wait(timeout_s) and test(), or None when another thread holds it), that refuses
-        buffers changed since. None: the
-        communicator re-checks the buffers and posts desc on each start (the default)."""
+        it) and start(busy) (the non-blocking post under that lock: a request, with
+        wait(timeout) and test(), or None when another thread holds it). Each refuses buffers
+        changed since set-up with InvalidArgument and raises CommErrors as run_array does.
+        None: the communicator re-checks the buffers and posts desc on each start (the default)."""
         return None
 
     def error(self, e: Exception) -> CommError:
-        """The CommError for an exception raised by run_array or a prepared op's run()."""
+        """The CommError for an exception of this transport's own library that reached the
+        communicator (mpi4py's); a transport whose calls raise CommErrors needs no other."""
         if isinstance(e, CommError):
             return e
         raise e

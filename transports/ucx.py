@@ -7,7 +7,7 @@ ucxx-cu12 also installs, holding it at an older release: any UCX from the engine
 the newest 1.x runs (native/src/channels/ucx/ucx_library.h), another is refused naming that range. UCX
 then picks its own transports (shared memory on one host, TCP, InfiniBand / RoCE where
 present; UCX_TLS chooses). On one host, large payloads are read by the receiver straight
-from the sender's buffer (native/CHANNELS.md), in place of UCX's own CMA.
+from the sender's buffer (native/src/channels/README.md), in place of UCX's own CMA.
 """
 from __future__ import annotations
 

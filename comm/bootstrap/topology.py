@@ -4,7 +4,7 @@ Hosts are told apart by the host id that also decides shared memory (comm.bootst
 host name, boot id and network namespace). Hosts are numbered by their lowest rank and the
 ranks of a host ascend, so every rank derives the same view; any placement works (block,
 cyclic, uneven, one rank per host, one host). The native engine gets the same grouping and
-picks its two-level algorithms from it (native/ALGORITHMS.md).
+picks its two-level algorithms from it (native/src/algorithms/README.md).
 """
 from __future__ import annotations
 

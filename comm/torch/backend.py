@@ -560,7 +560,7 @@ def torch_group(communicator: Communicator, name: str | None = None) -> ProcessG
     (after destroy_process_group(), or where init_process_group was never called). The group
     takes the communicator over: dist.destroy_process_group(group) (or its shutdown(), which
     leaves it in torch's tables) closes it."""
-    name = name or f"{communicator._ctx.group_name}@{communicator.epoch}"
+    name = name or f"{communicator.session.ctx.group_name}@{communicator.epoch}"
     pg = ProcessGroupComm(None, communicator.rank, communicator.size,
                           datetime.timedelta(seconds=communicator.timeout), name,
                           list(communicator.ranks), communicator=communicator)

@@ -16,7 +16,7 @@ Error against torch's own hooks: torch's bf16_compress_hook casts the bucket to 
 all-reduces in bfloat16, so every partial sum is rounded to 8 bits and the error grows with the
 number of ranks (up to about (n-1) x 2^-8 of the sum of magnitudes for n ranks). bf16_hook sends
 bfloat16 but sums in float32, quantizing each element at most twice: its error is at most
-(2^-7 + 2^-16 + n x 2^-23) of the sum of magnitudes whatever the number of ranks (the README's
+(2^-7 + 2^-16 + n x 2^-23) of the sum of magnitudes whatever the number of ranks (docs/compress.md's
 bound); fp8_hook's is at most (2^-3 + 2^-8 + n x 2^-23) of it plus 9e-6 of the sum of the
 ranks' block maxima. The average (DDP's gradient mean) is taken in float32 after the sum.
 

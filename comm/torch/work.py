@@ -118,7 +118,7 @@ class TorchWork(dist.distributed_c10d.Work):
     def _stream_ordered(self, comm_works) -> bool:
         """True when every operation completes on a CUDA stream (nccl) and nothing is copied
         back on the host: wait() can then order the caller's stream without blocking."""
-        reqs = [w._req for w in comm_works if w is not None]
+        reqs = [w.request for w in comm_works if w is not None]
         if self._device is None or self._copies or not all(hasattr(r, "stream_wait") for r in reqs):
             return False
         self._streamed = reqs

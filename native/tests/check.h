@@ -1,6 +1,6 @@
 // What the native unit tests share: CHECK (a failed condition ends the test with its file,
 // line and text) and throws<E>(f) (whether f throws an E). Each test is one executable built
-// by the system compiler with sanitizers (tests/harness.py: build_native_test).
+// with CMake, linking the engine library, with sanitizers (tests/harness.py: build_native_test).
 #pragma once
 
 #include <cstdio>

@@ -1,9 +1,9 @@
 // The memfd helpers (native/src/channels/shm/memfd.h) every shared segment of the engine goes through:
 // creation (mode, close-on-exec, reserved pages, zeroed), a peer's mapping through
 // /proc/<pid>/fd from another process, and the errors: a peer that exited, a file of the wrong
-// size (exact and at-least checks), each naming the rank, the path and the cause. Built and run
-// by tests/test_native_engine.py with the system C++ compiler (with native/src/channels/shm/memfd.cc and
-// common.cc); exits non-zero naming the first failed check.
+// size (exact and at-least checks), each naming the rank, the path and the cause. Built (linking
+// the engine library) and run by tests/test_native_engine.py; exits non-zero naming the first
+// failed check.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -16,7 +16,7 @@
 #include <string>
 
 #include "check.h"
-#include "../src/channels/shm/memfd.h"
+#include "channels/shm/memfd.h"
 
 using namespace comm;
 

@@ -1,8 +1,8 @@
 // The device-free parts of the verbs channel (verbs_wire.h): immediates, credit accounting,
 // the stream in slots (header checks, drained payloads, a header read apart from its body),
-// the address record, the RDMA READ depth, GID choice. Built and run by tests/test_verbs.py with the system C++
-// compiler (with native/src/channels/verbs/verbs_wire.cc, channel.cc, common.cc); exits non-zero naming the
-// first failed check.
+// the address record, the RDMA READ depth, GID choice. Built (linking the engine library, which
+// needs no rdma-core headers for this part) and run by tests/test_verbs.py; exits non-zero
+// naming the first failed check.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -10,7 +10,7 @@
 #include <stdexcept>
 
 #include "check.h"
-#include "../src/channels/verbs/verbs_wire.h"
+#include "channels/verbs/verbs_wire.h"
 
 using namespace comm::verbs;
 

@@ -2,113 +2,73 @@
 
 Python does the connection set-up, where speed does not matter and the standard library
 has what security needs: every rank publishes its listening address through the store,
-its peers are connected (COMM_CONNECT=lazy: those the engine's algorithms plan for, the others
-on first use, transports/native/links.py; eager: the full mesh, the higher rank connects, the lower
-accepts), every socket passes comm.bootstrap.auth's HMAC handshake, and the connected sockets are handed
-to the engine. Ranks with
-the same host_id also share memory: each creates one anonymous segment (memfd) and maps its
-local peers' segments through /proc/<pid>/fd (same user only); nothing has a name in
-/dev/shm, so nothing can be left behind.
+its peers are connected by transports/native/links.py (COMM_CONNECT=lazy: those the engine's
+algorithms plan for, the others on first use; eager: every peer planned, so the full mesh at
+set-up), every socket passes comm.bootstrap.auth's HMAC handshake, and the connected sockets are
+handed to the engine. Ranks with the same host_id also share memory: each creates one
+anonymous segment (memfd) and maps its local peers' segments through /proc/<pid>/fd (same
+user only); nothing has a name in /dev/shm, so nothing can be left behind.
 
 Per peer the engine gets: one monitor socket (carries no data; its hang-up means the peer
 died), and for peers on other hosts (or with COMM_CHANNELS=tcp) one socket for send/recv
 plus COMM_SOCKETS_PER_PEER sockets over which collective traffic is striped.
 
 A transport over a fabric library (ucx) is this class with `net` set: the engine opens that
-net (native/CHANNELS.md), every rank publishes the net's address through the store, and the
+net (native/src/channels/README.md), every rank publishes the net's address through the store, and the
 engine connects each peer over it; the monitor sockets stay, so liveness works alike.
+
+The engine raises the comm.core.errors classes itself, from the table handed to it below at
+import (set_errors): its calls need no translation here, and the lean calls (run_array,
+post_array, the prepared ops' run / start / wait) go to the communicator as they come.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
-import socket
-import threading
 import time
 import weakref
 
 import numpy as np
 
-from comm.bootstrap import auth, rendezvous
+from comm.bootstrap import rendezvous
 from comm.core import config, log
 from comm.core.buffers import as_buffer
 from comm.core.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, Mismatch,
-                         PeerFailure, Revoked, TransportUnavailable)
+                              PeerFailure, Revoked, TransportUnavailable)
 from comm.core.ops import LEAN_BUSY, LEAN_SKIPPED, held_buffers
-from comm.core.types import DType, ReduceOp, op_allowed
-from comm.work import Work
+from comm.core.types import DType
 from transports.base import (BootstrapContext, DONE, OpDesc, OpKind, Request,
                              Transport, TransportWindow, register)
-from transports.native.links import (FIRST_COLL, HANDSHAKE_S, IDENT, MAX_HANDSHAKES, MONITOR, P2P, Infos, Links,
-                              dial, readable, reserve_descriptors, roles, wake)
+from transports.native.links import FIRST_COLL, MONITOR, P2P, Infos, Links, reserve_descriptors
 
 try:
     from comm import _native
 except ImportError as _e:  # the extension was not built
     _native = None
     _IMPORT_ERROR = str(_e)
-else:  # the lean path checks reductions against the same table as the communicator
-    _native.set_reducible([[op_allowed(op, dt) for dt in DType] for op in ReduceOp])
-    Work.register(_native.LeanWork)   # the lean path's comm.Work
+else:
+    # The engine's error codes as comm.core.errors classes: the one table, which the engine
+    # raises from (any code not here: ERR_SYSTEM's CommError). INTERRUPTED is a Ctrl-C that
+    # left no exception of its own behind.
+    _ERRORS = {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
+               _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
+               _native.ERR_CLOSED: Closed, _native.ERR_SYSTEM: CommError,
+               _native.ERR_INVALID_ARGUMENT: InvalidArgument, _native.ERR_INTERRUPTED: Aborted,
+               _native.ERR_REVOKED: Revoked}
+    _native.set_errors(_ERRORS)
+    Request.register(_native.Request)   # the engine's request is the protocol's
     if (_native.LEAN_SKIPPED, _native.LEAN_BUSY) != (LEAN_SKIPPED, LEAN_BUSY):
         raise ImportError("comm._native was built from other sources than this comm package; reinstall it")
-
-# OpDesc.wire as the engine's code (native/src/core/common.h: Wire).
-_WIRES = {None: 0, "bf16": 1, "fp8": 2}
 
 # Largest per-rank payload copied through shared-memory slots; above it the single-copy
 # path (process_vm_readv) or the ring takes over. Measured crossover on 2 cores.
 DIRECT_MAX_BYTES = 32 << 10
 
-def _error_classes() -> dict:
-    return {_native.ERR_TIMEOUT: CommTimeout, _native.ERR_PEER_FAILURE: PeerFailure,
-            _native.ERR_ABORTED: Aborted, _native.ERR_MISMATCH: Mismatch,
-            _native.ERR_CLOSED: Closed, _native.ERR_INVALID_ARGUMENT: InvalidArgument,
-            _native.ERR_INTERRUPTED: Aborted, _native.ERR_REVOKED: Revoked}
-
 
 def _code(e: CommError) -> int:
     """The engine's code for a comm.core.errors class (a connector's failure handed back to it)."""
-    for code, cls in _error_classes().items():
-        if type(e) is cls:
-            return code
-    return _native.ERR_SYSTEM
-
-
-def _convert(e: BaseException, rank: int, op: str | None) -> CommError:
-    """NativeError(code, peer, message) -> the comm.core.errors class for that code."""
-    code, peer, msg = e.args
-    cls = _error_classes().get(code, CommError)
-    if cls is PeerFailure:
-        return PeerFailure(msg, rank=rank, op=op, peer=peer if peer >= 0 else None)
-    return cls(msg, rank=rank, op=op)
-
-
-class NativeRequest(Request):
-    __slots__ = ("_work", "_rank", "_op", "_keep")
-
-    def __init__(self, work, rank: int, op: str, keep) -> None:
-        self._work, self._rank, self._op = work, rank, op
-        self._keep = keep  # the buffers stay alive while the engine may touch them
-
-    def wait(self, timeout: float | None = None) -> None:
-        try:
-            self._work.wait(-1.0 if timeout is None else float(timeout))
-        except _native.NativeError as e:
-            raise _convert(e, self._rank, self._op) from None
-        self._keep = None
-
-    def test(self) -> bool:
-        if not self._work.test():
-            return False
-        self.wait(0)
-        return True
-
-    @property
-    def source(self) -> int:
-        return self._work.source
+    return next((code for code, cls in _ERRORS.items() if type(e) is cls), _native.ERR_SYSTEM)
 
 
 class NativePrepared:
@@ -117,18 +77,15 @@ class NativePrepared:
     Prepared, whose wait / test are then the started op's); post() is the start of the
     general path."""
 
-    __slots__ = ("run", "start", "_prepared", "_transport")
+    __slots__ = ("run", "start", "_prepared")
 
-    def __init__(self, prepared, transport: "NativeTransport") -> None:
-        self._prepared, self._transport = prepared, transport
+    def __init__(self, prepared) -> None:
+        self._prepared = prepared
         self.run, self.start = prepared.run, prepared.start
 
     def post(self, desc: OpDesc, blocking: bool) -> Request:
-        try:
-            work = self._prepared.post(blocking)
-        except Exception as e:
-            raise self._transport.error(e) from None
-        return DONE if work is None else NativeRequest(work, self._transport.rank, desc.kind.label, None)
+        req = self._prepared.post(blocking)
+        return DONE if req is None else req
 
 
 class NativeWindow(TransportWindow):
@@ -152,8 +109,8 @@ class NativeWindow(TransportWindow):
                 self._w = _native.window_allocate(engine, nbytes, signals)
                 self.memory = self._w.memory()
                 addr, size = self.memory.ctypes.data, nbytes
-        except _native.NativeError as e:
-            failed = _convert(e, self._rank, "window")
+        except CommError as e:
+            failed = e.locate(self._rank, "window")
         transport._windows += 1
         # The last entry: the net's RMA key (hex; empty where the net has none or was opened
         # without it, native/src/windows/rma.h). A rank that could not make its window (no memory)
@@ -194,13 +151,13 @@ class NativeWindow(TransportWindow):
         self.wait_signal_lean = w.wait_signal_lean
 
     def lean_error(self, e: BaseException, op: str) -> BaseException:
-        return _convert(e, self._rank, op) if isinstance(e, _native.NativeError) else e
+        return e.locate(self._rank, op) if isinstance(e, CommError) else e
 
     def _call(self, op: str, fn, *args):
         try:
             return fn(*args)
-        except _native.NativeError as e:
-            raise _convert(e, self._rank, op) from None
+        except CommError as e:   # the window's calls do not know the rank and op: named here
+            raise e.locate(self._rank, op) from None
 
     def put(self, peer: int, src, offset: int, signal: int) -> None:
         self._call("put", self._w.put, peer, src.ptr, src.nbytes, offset, signal)
@@ -234,7 +191,7 @@ class NativeTransport(Transport):
     devices = frozenset({"cpu"})
     any_source = True
     compressed_wire = True  # every compressed collective (OpDesc.wire): twolevel_compress.cc
-    net: str | None = None  # the engine's net carrying the data (CHANNELS.md); None: shm / TCP
+    net: str | None = None  # the engine's net carrying the data (native/src/channels/README.md); None: shm / TCP
 
     @classmethod
     def net_options(cls) -> dict[str, str]:
@@ -257,13 +214,13 @@ class NativeTransport(Transport):
     def __init__(self, ctx: BootstrapContext) -> None:
         self.rank, self.size = ctx.rank, ctx.size
         self._ctx = ctx
-        self._links: Links | None = None  # COMM_CONNECT=lazy: connections on first use
+        self._links: Links | None = None  # the connections (lazy: some made on first use)
         self._windows = 0  # windows made so far (the debug log numbers them)
         self._debug = log.enabled()
         try:
             self._engine = self._bootstrap(ctx)
-        except _native.NativeError as e:
-            raise _convert(e, ctx.rank, "init") from None
+        except CommError as e:
+            raise e.locate(ctx.rank, "init") from None
         # COMM_DEBUG logs each algorithm choice from post(): debugging takes the full path.
         self.run_array = None if self._debug else self._engine.run_array
         self.post_array = None if self._debug else self._engine.post_array
@@ -277,6 +234,7 @@ class NativeTransport(Transport):
         # A net (ucx) connects its endpoints itself, to every peer: its monitors stay a mesh.
         lazy = self.net is None and config.get("COMM_CONNECT") == "lazy"
         engine = None
+        nets: dict[int, int] = {}   # a net's peers: their monitor sockets, attached after set-up
         try:
             listener.bind((addr, 0))
             listener.listen(max(128, 4 * ctx.size))
@@ -309,37 +267,42 @@ class NativeTransport(Transport):
                 self._share_memory(engine, store, local if len(local) > 1 else [])
             if self.net is not None:
                 addresses = store.all_gather(f"{self.name}/address", engine.open_net(self.net, self.net_options()))
-            if lazy:
-                self._links = Links(ctx, listener, infos, token, set(local), engine, _code)
-                listener = None  # the links accept for the communicator's lifetime
-                engine.set_connector(self._links.connector())
-                # A communicator dropped without close(): its acceptor thread ends with it.
-                weakref.finalize(self, self._links.close)
-                self._links.connect_planned(peers, time.monotonic() + ctx.timeout)
-                if len(peers) == ctx.size - 1:
-                    # every peer planned (so every peer plans this rank too: the plan is
-                    # symmetric): nobody will dial later, and no listener stays open
-                    self._links.close()
-                socks = {}
-            else:
-                socks = self._connect_mesh(ctx, listener, infos, token, set(local))
+
+            net = self.net   # not self: the links (kept by the finalizer below) must not hold the transport
+
+            def attach(peer: int, sockets: dict) -> None:
+                """Hand one peer's connected sockets to the engine (which owns them then)."""
+                monitor = sockets[MONITOR].detach()
+                if net is not None:   # the net connects in rank order once every monitor is in
+                    nets[peer] = monitor
+                    return
+                coll = [sockets[k].detach() for k in sorted(sockets) if k >= FIRST_COLL]
+                engine.add_peer(peer, monitor, coll, sockets[P2P].detach() if P2P in sockets else -1)
+
+            # eager is lazy with every peer planned: one way to connect, one acceptor
+            self._links = Links(ctx, listener, infos, token, set(local), engine, attach, _code, self.net)
+            listener = None  # the links accept for the communicator's lifetime
+            engine.set_connector(self._links.connector())
+            # A communicator dropped without close(): its acceptor thread ends with it.
+            weakref.finalize(self, self._links.close)
+            self._links.connect_planned(peers, time.monotonic() + ctx.timeout)
+            if len(peers) == ctx.size - 1:
+                # every peer planned (so every peer plans this rank too: the plan is
+                # symmetric): nobody will dial later, and no listener stays open
+                self._links.close()
+            for peer in sorted(nets):
+                engine.add_net_peer(peer, nets.pop(peer), addresses[peer], hosts[peer] == ctx.host_id)
         except BaseException:
             if self._links is not None:
                 self._links.close()
             if engine is not None:
                 engine.set_connector(None)
+            for fd in nets.values():
+                os.close(fd)
             raise
         finally:
             if listener is not None:
                 listener.close()
-        for peer, sockets in socks.items():
-            monitor = sockets[MONITOR].detach()
-            if self.net is not None:
-                engine.add_net_peer(peer, monitor, addresses[peer], hosts[peer] == ctx.host_id)
-                continue
-            coll = [sockets[k].detach() for k in sorted(sockets) if k >= FIRST_COLL]
-            p2p = sockets[P2P].detach() if P2P in sockets else -1
-            engine.add_peer(peer, monitor, coll, p2p)
         data = (f"{self.net} with every peer" if self.net is not None else
                 f"shared memory with ranks {sorted(set(local) - {ctx.rank}) or 'none'}, TCP with ranks "
                 f"{sorted(set(peers) - set(local)) or 'none'}{' (more on first use)' if lazy else ''}")
@@ -362,141 +325,19 @@ class NativeTransport(Transport):
         if local:
             engine.set_cma(all(votes[r] == b"1" for r in local))
 
-    def _connect_mesh(self, ctx, listener, infos, token, local) -> dict[int, dict[int, socket.socket]]:
-        """Sockets to every peer, keyed by peer and role. Lower ranks accept from higher ones."""
-        deadline = time.monotonic() + ctx.timeout
-        socks: dict[int, dict[int, socket.socket]] = {p: {} for p in range(ctx.size) if p != ctx.rank}
-        expected = sum(len(roles(ctx, infos, p, local, self.net)) for p in range(ctx.rank + 1, ctx.size))
-        errors: list[BaseException] = []
-        acceptor = threading.Thread(target=self._accept_all,
-                                    args=(ctx, listener, expected, token, socks, errors, deadline))
-        acceptor.start()
-        try:
-            for peer in range(ctx.rank):
-                info = infos[peer]
-                for role in roles(ctx, infos, peer, local, self.net):
-                    socks[peer][role] = dial(ctx, info, role, deadline)
-        finally:
-            acceptor.join()
-        if errors:
-            raise errors[0]
-        return socks
-
-    @staticmethod
-    def _accept_all(ctx, listener, expected, token, socks, errors, deadline) -> None:
-        """Accept `expected` connections from higher ranks. Every connection's handshake runs
-        on its own thread under its own short deadline (a stuck one is shut down), so a
-        stranger that connects and stalls, trickles or sends garbage costs one thread for
-        HANDSHAKE_S at most and never holds up the ranks' own connections."""
-        lock = threading.Lock()
-        pending: dict[socket.socket, float] = {}  # handshakes in progress -> their deadline
-        state = {"missing": expected, "over": False, "refused": 0}
-        wake_r, wake_w = socket.socketpair()  # a registered connection wakes the loop below
-
-        def handshake(s: socket.socket) -> None:
-            try:
-                auth.server_handshake(s, ctx.secret, HANDSHAKE_S)
-                s.settimeout(HANDSHAKE_S)
-                peer, role, their_token = IDENT.unpack(auth.recv_exact(s, IDENT.size))
-                ours = their_token == token and ctx.rank < peer < ctx.size
-            except (OSError, auth.HandshakeError) as e:  # a stranger or a wrong secret
-                ours = False
-                if isinstance(e, auth.HandshakeError):
-                    with lock:
-                        state["refused"] += 1
-            with lock:
-                # not ours, evicted by its deadline, a duplicate, or set-up already over
-                if pending.pop(s, None) is None or not ours or state["over"] or role in socks[peer]:
-                    s.close()
-                    return
-                s.settimeout(None)
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                socks[peer][role] = s
-                state["missing"] -= 1
-            with contextlib.suppress(OSError):  # the loop may have finished already
-                wake_w.send(b"!")
-
-        listener.setblocking(False)
-        try:
-            while True:
-                now = time.monotonic()
-                with lock:
-                    if state["missing"] == 0:
-                        return
-                    for s in [s for s, due in pending.items() if due <= now]:
-                        del pending[s]
-                        wake(s)
-                    wake_at = min([deadline, *pending.values()])
-                if now >= deadline:
-                    refused = (f"; {state['refused']} connection(s) failed the handshake (a rank started "
-                               "with another COMM_SECRET, or a stranger)" if state["refused"] else "")
-                    raise CommTimeout(f"{state['missing']} connections from higher ranks never arrived{refused}",
-                                      rank=ctx.rank, op="init")
-                ready = readable([listener, wake_r], wake_at - now)
-                if wake_r in ready:
-                    wake_r.recv(4096)
-                if listener not in ready:
-                    continue
-                try:
-                    s, _ = listener.accept()
-                except (BlockingIOError, ConnectionAbortedError):
-                    continue
-                except OSError:  # out of file descriptors or memory: retry until the deadline
-                    time.sleep(0.05)
-                    continue
-                with lock:
-                    if len(pending) >= MAX_HANDSHAKES:  # a flood: drop rather than grow
-                        s.close()
-                        continue
-                    pending[s] = min(deadline, time.monotonic() + HANDSHAKE_S)
-                threading.Thread(target=handshake, args=(s,), daemon=True,
-                                 name=f"comm-handshake-{ctx.rank}").start()
-        except BaseException as e:  # handed to the connecting thread
-            errors.append(e)
-        finally:
-            with lock:
-                state["over"] = True
-                for s in pending:
-                    wake(s)
-                pending.clear()
-            wake_r.close()
-            wake_w.close()
-
     # ---- operations --------------------------------------------------------------------------
     def post(self, desc: OpDesc, blocking: bool) -> Request:
-        send, recv = desc.send, desc.recv
-        if desc.kind == OpKind.BROADCAST:
-            send = recv = recv or send
-        try:
-            work = self._engine.post(desc.kind, desc.dtype, desc.op, desc.scale,
-                                     send.ptr if send is not None else 0,
-                                     send.nbytes if send is not None else 0,
-                                     recv.ptr if recv is not None else 0,
-                                     recv.nbytes if recv is not None else 0,
-                                     desc.count, desc.root, desc.peer, desc.tag,
-                                     desc.send_counts or (), desc.recv_counts or (), blocking,
-                                     _WIRES[desc.wire], desc.wire_block)
-        except _native.NativeError as e:
-            raise _convert(e, self.rank, desc.kind.label) from None
-        if work is None:
+        # The engine reads desc itself; the caller holds its buffers until the request ends.
+        req = self._engine.post(desc, blocking)
+        if req is None:
             if self._debug and desc.kind not in (OpKind.SEND, OpKind.RECV):   # the engine chose an algorithm
                 log.algorithm(self.rank, self._ctx.group_name, desc.kind.label, self._engine.last_algorithm)
             return DONE
-        return NativeRequest(work, self.rank, desc.kind.label, (send, recv))
+        return req
 
     def prepare(self, desc: OpDesc) -> NativePrepared:
         held = [(obj, buf.ptr, buf.nbytes, written, what) for obj, buf, written, what in held_buffers(desc)]
-        send, recv = desc.send, desc.recv
-        try:
-            prepared = self._engine.prepare(desc.kind, desc.dtype, desc.op, desc.scale,
-                                            send.ptr if send is not None else 0,
-                                            send.nbytes if send is not None else 0,
-                                            recv.ptr if recv is not None else 0,
-                                            recv.nbytes if recv is not None else 0, desc.count,
-                                            desc.root, desc.send_counts or (), desc.recv_counts or (), held)
-        except _native.NativeError as e:
-            raise _convert(e, self.rank, desc.kind.label) from None
-        return NativePrepared(prepared, self)
+        return NativePrepared(self._engine.prepare(desc, held))
 
     def exchange(self, value: bytes) -> list[bytes]:
         """Collective: every rank's `value`, by rank, through the engine's own all_gather (set-up
@@ -521,13 +362,6 @@ class NativeTransport(Transport):
     def window_allocate(self, nbytes: int, signals: int) -> NativeWindow:
         return NativeWindow(self, None, signals, nbytes)
 
-    def error(self, e: Exception) -> CommError:
-        if isinstance(e, _native.NativeError):
-            return _convert(e, self.rank, None)
-        if isinstance(e, _native.BufferChanged):
-            return InvalidArgument(str(e), rank=self.rank)
-        return super().error(e)
-
     @property
     def last_algorithm(self) -> str:
         """The algorithm the engine ran for the latest collective (tests and benchmarks)."""
@@ -535,35 +369,28 @@ class NativeTransport(Transport):
 
     def abort(self) -> None:
         self._engine.abort()
-        if self._links is not None:   # a connection being made for an operation ends too
-            self._links.close()
+        self._links.close()   # a connection being made for an operation ends too
 
     def revoke(self) -> None:
         self._engine.revoke()
-        if self._links is not None:
-            self._links.close()
+        self._links.close()
 
     def connected_peers(self) -> list[int]:
         """The peers this rank holds connections to (lazy: the plan and those made on first use)."""
-        if self._links is None:
-            return [p for p in range(self.size) if p != self.rank]
         return self._links.connected()
 
     def dead_peers(self) -> list[int]:
         return self._engine.dead_peers()
 
     def close(self) -> None:
-        if self._links is not None:
-            self._links.close()
+        self._links.close()
         self._engine.close()
-        if self._links is not None:
-            self._engine.set_connector(None)   # no operation runs now: the cycle through it ends
+        self._engine.set_connector(None)   # no operation runs now: the cycle through it ends
 
     def forget_after_fork(self) -> None:
         self._engine.forget_after_fork()
-        if self._links is not None:
-            self._links.forget()
-            self._engine.set_connector(None)
+        self._links.forget()
+        self._engine.set_connector(None)
 
 
 register(NativeTransport)

@@ -5,12 +5,13 @@ its role and the acceptor's session token. A peer is a set of them: a monitor (n
 hang-up means the peer died), and for a peer on another host a send / recv socket plus
 COMM_SOCKETS_PER_PEER collective sockets.
 
-COMM_CONNECT=eager connects every pair at set-up (transports/native/__init__.py: the higher rank
-dials). COMM_CONNECT=lazy (Links) connects at set-up only the peers the engine's algorithms
-plan for (Engine.planned_peers) and any other peer when an operation first needs it: the
-listener and its acceptor live as long as the communicator. Both ends may need each other
-at once and dial together; the acceptor answers each set's monitor connection yes or no,
-and of two sets dialed at once between a pair only the lower rank's is kept.
+Links connects at set-up the peers planned for this rank, the higher rank of a pair dialing:
+under COMM_CONNECT=lazy those the engine's algorithms plan for (Engine.planned_peers), and any
+other peer when an operation first needs it (the listener and its acceptor then live as long
+as the communicator); under eager every peer, the full mesh, after which nobody dials and the
+listener closes. Both ends may need each other at once and dial together; the acceptor
+answers each set's monitor connection yes or no, and of two sets dialed at once between a
+pair only the lower rank's is kept.
 
 Set-up gathers the address records (Infos) of the planned peers only; a record of any other
 peer is read from the store when that peer is first dialed or dials this rank.
@@ -138,9 +139,12 @@ class Links:
     "dialing" (this rank dials it), "accepting" (its set is arriving), "up" (handed to the
     engine); absent: not connected."""
 
-    def __init__(self, ctx, listener, infos, token: bytes, local: set, engine, to_code) -> None:
+    def __init__(self, ctx, listener, infos, token: bytes, local: set, engine, attach, to_code,
+                 net: str | None = None) -> None:
         self._ctx, self._listener, self._infos, self._token = ctx, listener, infos, token
-        self._local, self._engine, self._to_code = local, engine, to_code  # to_code: CommError -> engine code
+        self._local, self._engine, self._net = local, engine, net
+        self._attach = attach    # attach(peer, {role: socket}): hands a connected set to the engine
+        self._to_code = to_code  # CommError -> the engine's error code
         self._cond = threading.Condition()
         self._state: dict[int, str] = {}
         self._incoming: dict[int, dict[int, socket.socket]] = {}
@@ -249,7 +253,7 @@ class Links:
         """Dial every socket of `peer`'s set and hand it to the engine; False when the peer
         answered no (its own dial to this rank is the one kept)."""
         info = self._infos[peer]
-        want = roles(self._ctx, self._infos, peer, self._local, None)
+        want = roles(self._ctx, self._infos, peer, self._local, self._net)
         socks = {MONITOR: dial(self._ctx, info, MONITOR, deadline, op, self._check)}
         try:
             socks[MONITOR].settimeout(max(0.1, deadline - time.monotonic()))
@@ -267,14 +271,8 @@ class Links:
             for s in socks.values():
                 s.close()
             raise
-        self._register(peer, socks)
+        self._attach(peer, socks)
         return True
-
-    def _register(self, peer: int, socks: dict[int, socket.socket]) -> None:
-        monitor = socks[MONITOR].detach()
-        coll = [socks[k].detach() for k in sorted(socks) if k >= FIRST_COLL]
-        p2p = socks[P2P].detach() if P2P in socks else -1
-        self._engine.add_peer(peer, monitor, coll, p2p)   # the engine owns the descriptors now
 
     # ---- the acceptor ------------------------------------------------------------------------
     def _serve(self) -> None:
@@ -332,7 +330,7 @@ class Links:
             s.settimeout(HANDSHAKE_S)
             peer, role, their_token = IDENT.unpack(auth.recv_exact(s, IDENT.size))
             ours = their_token == self._token and 0 <= peer < ctx.size and peer != ctx.rank
-            ours = ours and role in roles(ctx, self._infos, peer, self._local, None)
+            ours = ours and role in roles(ctx, self._infos, peer, self._local, self._net)
         except (OSError, auth.HandshakeError, CommError) as e:  # a stranger, a wrong secret, no store
             ours = False
             if isinstance(e, auth.HandshakeError):
@@ -363,13 +361,13 @@ class Links:
                 return
             s.settimeout(None)
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            want = roles(ctx, self._infos, peer, self._local, None)
+            want = roles(ctx, self._infos, peer, self._local, self._net)
             if len(self._incoming[peer]) == len(want):
                 complete = self._incoming.pop(peer)
         if complete is None:
             return
         try:
-            self._register(peer, complete)
+            self._attach(peer, complete)
         except Exception:   # the communicator closed meanwhile: the engine closed what it got
             with self._cond:
                 self._state.pop(peer, None)

@@ -8,12 +8,9 @@
 //   - else, where process_vm_readv is allowed: read this rank's blocks straight out of the
 //     peers' inputs (one copy), then one round so nobody returns while being read;
 //   - else the pairwise exchange over the channels.
-// The pairwise exchange through the rings beats the reads by up to 40% while both ranks'
-// cores share their caches, but where they do not (another socket; on the shared test
-// machine, for minutes at a time) each ring copy reads lines the other core has just written
-// and runs at a quarter of its speed, while the reads, of inputs written long before, keep
-// theirs: 2 ranks, 1 MiB, 1.8 against 6-7 GB/s busbw in such a window, 10.3 against 7.4
-// outside it. The reads are the choice that is never slow.
+// The reads are the choice that is never slow: the pairwise exchange through the rings leads
+// while both ranks' cores share their caches, and falls to a quarter of its speed where they
+// do not (see native/TUNING.md, "all_to_all on one host").
 #include <cstring>
 
 #include "algorithms/algorithms.h"

@@ -82,8 +82,8 @@ void reduce_from_peers(Comm& c, const Coll& op, const std::vector<Remote>& peers
 
 // Each rank reduces its block chunk by chunk and writes every finished chunk, still in cache,
 // into the peers' outputs: two flag rounds, and no second pass over memory to read the
-// results back (with that third round, 2 ranks ran at 0.91-1.06x Open MPI's busbw at
-// 256 KiB-4 MiB, where both are near memory speed).
+// results back (a third round cost what native/TUNING.md, "cma's all_reduce writes its
+// results", shows).
 // Nobody else touches those bytes meanwhile: a rank reads only its own block of the peers'
 // inputs, and in place that block of a peer is written only by that block's owner, after it
 // has read it.
@@ -127,7 +127,7 @@ void cma_all_reduce(Comm& c, const Coll& op) { reduce_and_write(c, op, exchange_
 // costs the ring one flag round (a few microseconds against the 30 or more of these sizes).
 void local_all_reduce(Comm& c, const Coll& op) {
   const size_t bytes = op.count * op.elem;
-  uint32_t choice = c.rank == 0 ? c.tuner.choose(bytes) : 0;
+  uint32_t choice = c.rank == 0 ? static_cast<uint32_t>(c.tuner.choose(bytes)) : 0;
   const auto start = Clock::now();
   const auto peers = exchange_addresses(c, op, bytes, &choice);
   if (choice == LocalTuner::RING) {

@@ -2,13 +2,10 @@
 // shared-memory channels or cma's single-copy reads, whichever this host runs faster now,
 // as local rank 0 measures them (cma.cc's local_all_reduce runs the choice).
 //
-// Why measured and not a table: the two trade places with where the ranks' cores sit.
-// Where two cores share their caches the ring ran 1.2-1.5x cma (2 ranks, 256 KiB-4 MiB, in
-// place, one run: 12.8-15.3 against 10.1-11.4 GB/s busbw), its memcpys running at 4x the
-// kernel's copies in process_vm_readv / writev (47 against 12 GB/s for 1 MiB here); where
-// they do not, each ring copy reads lines the other core has just written: in such a window
-// the ring fell to 2 GB/s while cma kept 7-10. A virtual machine's cores move between the
-// two for minutes at a time, and nothing the op or the topology says tells which holds.
+// Why measured and not a table: the two trade places with where the ranks' cores sit (the
+// ring leads while two cores share their caches, cma where they do not), a virtual machine's
+// cores move between the two for minutes at a time, and nothing the op or the topology says
+// tells which holds. Evidence: native/TUNING.md, "all_reduce on one host".
 #pragma once
 
 #include <algorithm>
@@ -22,8 +19,8 @@ class LocalTuner {
   enum Choice : uint32_t { CMA = 0, RING = 1 };
 
   // The sizes it chooses for: from cma's threshold (select.cc) to kMaxBytes, where the ring
-  // leads while the cores share their caches. From there cma leads either way (16 MiB:
-  // 8.2 against 9.7 GB/s at the best of times).
+  // leads while the cores share their caches. From there cma leads either way (see
+  // native/TUNING.md, "all_reduce on one host").
   static constexpr size_t kMaxBytes = 8 << 20;
 
   // What the next all_reduce of `bytes` runs (local rank 0 asks; it tells the others).
@@ -46,7 +43,7 @@ class LocalTuner {
   void record(size_t bytes, Choice a, double ns) {
     Class& k = classes_[size_class(bytes)];
     const double v = ns / static_cast<double>(bytes ? bytes : 1);
-    const bool warm = k.last == a;
+    const bool warm = k.last == static_cast<int>(a);
     k.last = a;
     if (k.bursting && a == k.burst) {
       // A burst's first half is not counted: the first runs after the other algorithm are

@@ -60,25 +60,15 @@ constexpr Row kTable[] = {
 };
 
 // Recursive doubling sends the whole buffer log2(n) times: only worth it while latency,
-// not bandwidth, dominates.
+// not bandwidth, dominates (see native/TUNING.md, "all_reduce on one host").
 constexpr size_t kRdMaxBytes = 64 << 10;
 // Where the single-copy path (cma) takes over from the ring over shared-memory channels, in
-// the units of measure() below. Measured 2026-12-06 on 2 cores, 2 ranks, busbw GB/s of the
-// ring / cma, medians of 3 (4 ranks: cma ahead at the same sizes):
-//   all_reduce      128 KiB 7.6 / 5.7, 256 KiB 8.0 / 9.0, 1 MiB 5.8 / 7.9, 4 MiB 5.5 / 8.6
-//   reduce_scatter  64 KiB 4.4 / 7.4, 1 MiB 5.0 / 11.0, 4 MiB 4.7 / 7.1
-//   all_gather      block 64 KiB 5.0 / 12.5, 1 MiB 4.9 / 7.4, 4 MiB 4.5 / 6.3 (the _v forms alike)
-// A reduction's ring hides its extra copy behind the reduction while the data fits in cache,
-// so all_reduce changes over later; a gather's ring is nothing but copies. The ring's copies
-// read lines the other core has just written, and on this shared machine they run at a
-// quarter of their speed for minutes at a time (a2a.cc), while cma's reads do not: in such a
-// window all_gather_v's ring was 2-3x behind cma at 64 KiB-4 MiB, outside one 10-20% ahead,
-// and on 2026-12-02 the all_reduce ring led up to 8 MiB (2 MiB 16.7 / 5.9), as on
-// 2026-12-07 (2 MiB 15.2 / 10.3; 8 MiB 11.5 / 12.7, 16 MiB 8.4 / 9.3). For the gathers cma
-// is the choice that is never slow; all_reduce above rd's sizes and below 8 MiB, where the
-// ring leads by more in the good windows, measures which is faster now ("tuned",
-// local_tuner.h): in a bad window the ring fell to 2.2 GB/s at 64-256 KiB, cma kept 5.7-9.4.
-// broadcast (cma ahead at 64 KiB-1 MiB, behind at 4 MiB) and all_to_all (even) keep 8 MiB.
+// the units of measure() below. A gather's ring is nothing but copies, which slow down to a
+// quarter where the ranks' cores do not share caches while cma's reads do not: cma is the
+// choice that is never slow. all_reduce's ring hides its copy behind the reduction, so
+// between rd's sizes and 8 MiB the faster of the two is measured ("tuned", local_tuner.h).
+// broadcast and all_to_all keep 8 MiB. Evidence: native/TUNING.md, "all_reduce on one host"
+// and "Gathers, reduce_scatter and the rest on one host".
 size_t cma_min_bytes(OpKind kind) {
   switch (kind) {
     case OpKind::ALL_REDUCE: return kRdMaxBytes + 1;   // tuned: ring or cma, from where rd stops

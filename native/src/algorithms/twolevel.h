@@ -69,10 +69,8 @@ class TwoLevelPipeline {
  private:
   // Up to 4 segments of at least 4 MiB: the first RS and the last AG are the phases not
   // hidden behind the link, a quarter of the host's work at 4 segments. More segments hide
-  // more but cost a step round trip each and cut the network phase into short transfers:
-  // 2 hosts x 2 ranks, 64 MiB, on links of 2 Gbit/s: 1 segment 0.29-0.33 GB/s busbw, 4
-  // segments 0.35-0.37, 16 0.36; over unlimited veth on 2 shared cores (CPU-bound) 1 segment
-  // 1.46, 4 1.42, 8 1.24, 16 1.30 (medians of 3).
+  // more but cost a step round trip each and cut the network phase into short transfers
+  // (see native/TUNING.md, "Two-level segments").
   static constexpr size_t kSegmentBytes = 4 << 20;
   static constexpr size_t kMaxSegments = 4;
   static int segments(size_t bytes, size_t most) {

@@ -253,10 +253,8 @@ class CompressedAllReduce final : public TwoLevelPipeline {
 };
 
 // The most segments of reduce_scatter / all_gather. Two levels: the pipeline's (twolevel.h).
-// Flat, no host lane hides anything, but shorter rows keep a segment's encoding and decoding in
-// cache: 4 x 1 hosts at 2 Gbit/s, a 64 MiB reduce_scatter + all_gather in bf16 took 1.69-1.74x
-// less time than the exact path with 4 segments (rows of 4 MiB), 1.99-2.04x with 16 (1 MiB);
-// 16 MiB and 32 MiB 1.8-2.0x either way (medians of 3, load 6-16 on 2 shared cores).
+// Flat, no host lane hides anything, but shorter rows keep a segment's encoding and decoding
+// in cache (see native/TUNING.md, "Compressed segments").
 size_t segments_most(bool two_level) { return two_level ? 4 : 16; }
 
 // reduce_scatter: rank r's output is the sum of block r (op.count elements at r * count) of

@@ -70,7 +70,7 @@ struct Transfer {
   bool complete() const { return header_complete() && done == len; }
 };
 
-// One peer and stream, as a transport provides it (CHANNELS.md says what each call must do).
+// One peer and stream, as a transport provides it (channels/README.md says what each call must do).
 // The engine guarantees: one thread at a time calls a channel; transfers of one direction are
 // progressed one after the other, each to completion, in the order they must appear on the
 // wire; a transfer whose operation failed is handed to abandon() and never progressed again.

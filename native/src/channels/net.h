@@ -2,7 +2,7 @@
 // in the shape of NCCL's net plugin and gloo's transport/device: open it, publish its
 // address through the rendezvous store, connect each peer from that peer's address. What
 // it connects is an ordinary Channel, so every algorithm runs over it unchanged.
-// CHANNELS.md describes the contract; net.cc holds the table of nets this build has.
+// channels/README.md describes the contract; net.cc holds the table of nets this build has.
 #pragma once
 
 #include <cstddef>

@@ -91,10 +91,9 @@ void Comm::set_local_ranks_known() {
     spin_calls_ = 16;
     // Then yield, briefly, and sleep on the futex. A yield hands the core to the rank that
     // shares it, which is usually the one we wait for, without the futex's two system calls
-    // per wake-up (4 ranks on 2 quiet cores, 8-byte all_reduce: 7-14 us yielding, 21-26 us
-    // sleeping at once). It is bounded because the scheduler may instead pick another
-    // program's task for a whole time slice (~2 ms per all_reduce on loaded cores when
-    // ranks only yielded): then the futex, which a peer's publication ends, is better.
+    // per wake-up. It is bounded because the scheduler may instead pick another program's
+    // task for a whole time slice: then the futex, which a peer's publication ends, is
+    // better (see native/TUNING.md, "Waiting: spin, yield, sleep").
     yield_for_ = std::chrono::microseconds(500);
   }
 }

@@ -123,7 +123,7 @@ class Comm {
   void run_lanes(Steps* const* lanes, int n);
 
   // Direct (all-local) rounds: publish that this rank reached `round`, then wait until
-  // every local rank has. Round r uses publication slot r % 2 (see ALGORITHMS.md).
+  // every local rank has. Round r uses publication slot r % 2 (see algorithms/README.md).
   uint64_t begin_round() { return ++round_; }
   void publish_round(uint64_t round);
   void wait_round(uint64_t round);
@@ -136,8 +136,8 @@ class Comm {
   // cannot be lost; `fds` are polled instead of the futex when a socket is involved.
   // `dl` is the deadline of the wait: the collective one unless the caller (p2p) has its own.
   // `spin` false skips the spinning: a socket transfer is pending beside shared-memory ones,
-  // and the kernel's network work needs the cores (2x2 hosts over veth on 2 cores, two-level
-  // pipeline: 0.74-0.83 GB/s spinning, 1.18-1.30 yielding at once).
+  // and the kernel's network work needs the cores. The thresholds' evidence:
+  // native/TUNING.md, "Waiting: spin, yield, sleep".
   template <class Ready>
   void idle(Backoff& b, Ready ready, const std::vector<pollfd>* fds = nullptr,
             const Deadline* dl = nullptr, bool spin = true) {
@@ -148,16 +148,13 @@ class Comm {
     // as soon as the kernel has bytes, so spinning and yielding (a recv per transfer each
     // time) would only take the cores that the network stack and the peers need. Except
     // for small transfers (`spin`, see wait_on): their answer is a round trip away, less
-    // than poll()'s sleep and wake-up, so they are driven for kSocketSpin first (2 hosts x
-    // 1 rank over veth, all_reduce 8 B-4 KiB: 20-59 -> 6-12 us; spinning up to 64 KiB cost
-    // 2 x 2 ranks on 2 cores 1.7x at 256 KiB, whose cross-host blocks are 64 KiB).
+    // than poll()'s sleep and wake-up, so they are driven for kSocketSpin first (only up to
+    // kSocketSpinMaxBytes: larger ones would take the cores the peers need).
     const bool sockets_only = fds && !fds->empty() && fds->back().fd >= 0;
     if (spin && b.calls < spin_calls_ && !sockets_only) {
       // Every kYieldEvery calls a yield: where the peer shares this core (the other core is
       // taken by another program, or the scheduler woke it here), it runs now instead of
-      // after the whole spin (2000 pauses, ~80 us a wait: 2 ranks, 8 B all_reduce took 65-89
-      // us in about half the runs beside one busy process); alone on the core, a yield is
-      // one quick system call per ~5 us of spinning.
+      // after the whole spin; alone on the core, a yield costs one quick system call.
       if (b.calls % kYieldEvery == 0) sched_yield();
       else cpu_relax();
       return;

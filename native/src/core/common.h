@@ -25,7 +25,7 @@ size_t itemsize(DType t);
 bool is_floating(DType t);
 const char* kind_name(OpKind k);
 
-// Error codes mirrored by transports/native/__init__.py onto the comm.core.errors classes.
+// Error codes, each a comm.core.errors class in the table transports/native hands the binding.
 enum class ErrorCode : int {
   TIMEOUT = 1, PEER_FAILURE, ABORTED, MISMATCH, CLOSED, SYSTEM,
   INVALID_ARGUMENT,  // the caller's arguments; nothing was sent and the communicator stays usable
@@ -33,7 +33,7 @@ enum class ErrorCode : int {
   REVOKED            // a rank revoked the communicator (ULFM's revoke): only shrink goes on
 };
 
-// The one exception type the engine throws; the binding turns it into _native.NativeError.
+// The one exception type the engine throws; the binding raises it as a comm.core.errors class.
 struct CommError : std::exception {
   ErrorCode code;
   int peer;  // the rank at fault, -1 when unknown

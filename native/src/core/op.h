@@ -48,6 +48,11 @@ struct OpArgs {
 // Throws INVALID_ARGUMENT.
 void check_codes(int kind, int dtype, int op);
 void validate(const OpArgs& a, int rank, int size);
+// validate's one check, in either form: AT_LEAST, the engine's guard (no access past the
+// buffers); EXACT, the binding's lean path (buffers of exactly the operation's sizes, sharing
+// no memory but in the in-place layout: anything else is the communicator's to name).
+enum class Fit { AT_LEAST, EXACT };
+void check_op(const OpArgs& a, int rank, int size, Fit fit);
 
 // A posted operation; shared by the engine and the Python request object.
 class Op {

@@ -187,7 +187,8 @@ bool P2P::idle(std::unique_lock<std::mutex>& lock, Backoff& spins, bool caller, 
     spins.start = Clock::time_point{};
     // Asleep, the thread lets go of the driver role: a blocking send / recv, a flush or a
     // wait_signal drives at once on its own thread instead of waking this one and waiting
-    // for the hand-over (2 ranks, shm: 8 B send -> recv with a window open 136-229 us before).
+    // for the hand-over (see native/TUNING.md, "One-sided and send / recv: the caller's
+    // thread drives").
     // Only where ready() is a plain look (shared memory, sockets), safe beside a driver.
     if (!stateful) {
       asleep = true;

@@ -87,8 +87,8 @@ std::shared_ptr<Op> P2P::post_window(int peer, uint8_t kind, uint32_t id, uint64
   ps.sends.push_back(std::move(msg));
   if (!driving_) {
     // Nobody drives (the listener sleeps): send on this thread now, as a blocking send would,
-    // instead of waking the p2p thread for it (2 ranks over TCP, 8 B put with signal -> the
-    // target sees it: 209-269 us with the wake-up, against 29-33 us for send -> recv).
+    // instead of waking the p2p thread for it, whose hand-over costs several times the send
+    // (see native/TUNING.md, "One-sided and send / recv: the caller's thread drives").
     driving_ = true;
     try {
       pass();

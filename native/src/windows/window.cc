@@ -310,7 +310,7 @@ void Window::wait_signal(uint32_t k, uint64_t value, double timeout_s) {
   if (!any_direct_ && c_.size > 1) {
     // Every signal comes as a message the p2p driver counts in: this thread drives, as a
     // blocking recv does, instead of sleeping until the p2p thread wakes, counts and wakes it
-    // (2 ranks over TCP, 8 B put with signal -> seen: 209-269 us that way, send -> recv 29-33).
+    // (see native/TUNING.md, "One-sided and send / recv: the caller's thread drives").
     // (A direct peer's signal wakes only the futex below, not a driver asleep in poll().)
     auto done = [&] {
       return ctr->load(std::memory_order_acquire) >= value || closed_ || Clock::now() >= dl.at;

@@ -1,5 +1,5 @@
 // One-sided communication: a window of memory every rank exposes, put / get into the peers'
-// windows, and signal counters (comm/window.py is the API; window_spec in the README).
+// windows, and signal counters (comm/window.py is the API; docs/one-sided.md the guide).
 //
 // How bytes move, per peer:
 // - a peer on this host whose window the library allocated (window_mapped.h): the origin

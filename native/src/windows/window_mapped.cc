@@ -24,9 +24,9 @@ std::shared_ptr<WindowSegment> WindowSegment::allocate(uint64_t size) {
   // would SIGBUS whichever of them touches it first.
   MemfdOptions o;
   o.reserve = true;
-  // 2 MiB pages where the host has a pool of them (vm.nr_hugepages), else 4 KiB pages: a
-  // 64 MiB copy into 4 KiB shared pages ran at 12 GB/s, into private memory on transparent
-  // huge pages at 18 (one process; the TLB). Hosts with shmem_enabled=advise take the hint.
+  // 2 MiB pages where the host has a pool of them (vm.nr_hugepages), else 4 KiB pages: fewer
+  // TLB misses make copies into the window faster (see native/TUNING.md, "Window memory
+  // pages"). Hosts with shmem_enabled=advise take the hint.
   Memfd m;
   if (size >= kHugePage) {
     MemfdOptions huge = o;

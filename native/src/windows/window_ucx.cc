@@ -6,12 +6,10 @@
 //
 // A signal is not a UCX atomic: once an endpoint flush has completed the data before it,
 // put() says so and the window sends the signal as a message that the target's engine counts
-// in (rma.h). Measured here (2 ranks, one host, bench put_signal with 8 B-8 KiB, beside other
-// jobs) an emulated UCP_ATOMIC_OP_ADD after the flush took 650-1180 us per hop against 74-128
-// us for the message; across hosts over TCP, UCX 1.22 found no protocol for it ("cannot find
-// remote protocol ... amo_post") and cancelled it. Nothing that runs here has hardware
-// atomics; a fabric with them could add the signal itself (rma.h allows it), after probing
-// the endpoint's support.
+// in (rma.h): an emulated atomic was several times slower than the message, and across hosts
+// over TCP UCX found no protocol for it (see native/TUNING.md, "UCX window signals"). Nothing
+// that runs here has hardware atomics; a fabric with them could add the signal itself (rma.h
+// allows it), after probing the endpoint's support.
 //
 // Where the fabric has no RMA of its own (TCP, and shared memory for memory UCX did not
 // allocate: what runs here) UCX emulates it with active messages, which the TARGET's worker
@@ -190,7 +188,8 @@ bool UcxRmaWindow::put(int peer, const void* src, uint64_t len, uint64_t offset,
   if (signal < 0) return true;
   // Data first: everything issued to the peer so far completes (an endpoint flush), then the
   // caller sends the signal. ucp_worker_fence would not wait here, but its strong mode (UCX's
-  // choice here) held each signal back 11-14 ms, and its weak mode orders nothing across lanes.
+  // choice here) held each signal back for milliseconds, and its weak mode orders nothing
+  // across lanes (see native/TUNING.md, "UCX window signals").
   lock.unlock();
   flush(peer, wait);
   return false;

@@ -22,11 +22,10 @@ size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 constexpr size_t kSegHeaderBytes = 256;
 constexpr size_t kSlotStride = kSlotHeaderBytes + kSlotBytes;
 
-// Segments up to this size (up to 63 local ranks) are allocated and mapped in full at set-up. Left
-// to fault in, every page of a ring costs its first pass a page allocation in the owner and a
-// fault in each process: the first 16 all_to_alls of 256 KiB took 150 us each instead of 20
-// (2 ranks, one pass of the 2 MiB ring), which benchmarks and short jobs see as the library's
-// speed. Larger segments fault in as used.
+// Segments up to this size (up to 63 local ranks) are allocated and mapped in full at set-up:
+// left to fault in, a ring's first pass is several times slower, which benchmarks and short
+// jobs see as the library's speed (see native/TUNING.md, "Shared memory in place at set-up").
+// Larger segments fault in as used.
 constexpr size_t kPopulateMaxBytes = 40 << 20;
 
 // Within kPopulateMaxBytes a segment is allocated at creation (so a host short of shared

@@ -13,11 +13,10 @@ namespace comm {
 
 constexpr size_t kSlotBytes = 256 << 10;      // direct-path publication slot (per rank, x2)
 // Ring-buffer of collective traffic per peer. Several chunks (COMM_CHUNK_BYTES) deep, so a
-// sender is not held to its receiver's pace chunk by chunk: with cores shared (2 hosts x 2
-// ranks on 2 loaded cores, 16 MiB two-level all_reduce) 512 KiB gave 0.10-0.17 GB/s busbw,
-// 2 MiB 0.24. Beyond 8 local peers the rings share kCollRingBudget instead (never below
-// kCollRingMin, two chunks deep), so a rank's segment grows with its local peers by about
-// 0.6 MiB each, not 2: 16 ranks per host would otherwise map 16 x 36 MiB each.
+// sender is not held to its receiver's pace chunk by chunk. Beyond 8 local peers the rings
+// share kCollRingBudget instead (never below kCollRingMin, two chunks deep), so a rank's
+// segment grows with its local peers by about 0.6 MiB each, not 2: 16 ranks per host would
+// otherwise map 16 x 36 MiB each. See native/TUNING.md, "Shared-memory rings".
 constexpr size_t kCollRingBytes = 2 << 20;
 constexpr size_t kCollRingBudget = 16 << 20;
 constexpr size_t kCollRingMin = 512 << 10;
