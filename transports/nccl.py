@@ -1,30 +1,10 @@
 """NCCL transport: NVIDIA's collectives on CUDA buffers, through nccl4py's low-level bindings.
 
-Install with the `nccl-cu12` or `nccl-cu13` extra (nccl4py with the NCCL wheel and cuda-bindings
-of that CUDA major). One communicator per process, on one CUDA device: the one the caller names (the torch
-backend passes the tensor's), else the only visible one (CUDA_VISIBLE_DEVICES, Slurm's
---gpus-per-task), else the current device when the process set one (torch.cuda.set_device),
-else the local rank. Before NCCL is entered the ranks exchange
-their GPUs' PCI bus ids through the store: a rank without a usable GPU, or two ranks on one
-GPU, is an error on every rank instead of a hang inside ncclCommInitRank. The communicator is
-non-blocking (ncclConfig_t.blocking = 0), so init, split and every call are polled against
-the communicator's timeout and a peer that never arrives ends in ncclCommAbort + CommTimeout.
-
-Streams, as torch's NCCL backend: each operation runs on the communicator's internal stream,
-which first waits for the caller's current stream (an event), and ends with an event that
-the Request exposes: `wait()` blocks the host until it fires; `stream_wait()` only makes the
-caller's current stream wait for it (the torch backend's Work.wait()). torch tensors are
-recorded on the internal stream so the caching allocator does not reuse them early.
-
-Semantics that differ from the other transports, on purpose:
-- Tags: NCCL matches send/recv per peer in posting order and has no tags, so only tag 0 is
-  accepted; a non-zero tag is refused with InvalidArgument rather than silently mismatched.
-- int16 and the bitwise ops (BAND/BOR/BXOR on integers) have no NCCL equivalent: refused with
-  InvalidArgument. Bool reduces as uint8 with MAX (or) / MIN (and); BXOR on bool is refused.
-- Data movement (gather, scatter, all_gather, broadcast, all_to_all, send/recv) moves bytes, so
-  every dtype works there.
-- fp8: NCCL has float8 e4m3 / e5m2 (codes 10 / 11, sm90+), but comm.DType has no fp8 member,
-  so fp8 tensors are refused by comm.core.buffers before they reach this module.
+One communicator per process, on one CUDA device. The ranks exchange their GPUs' PCI bus ids
+before NCCL is entered, so a rank without a GPU, or two ranks on one, is an error everywhere
+instead of a hang in ncclCommInitRank. The communicator is non-blocking, so every call is
+polled against the timeout. Streams follow torch's NCCL backend. What NCCL cannot do (tags,
+int16, bitwise ops) is refused, never emulated: docs/transports.md (nccl) has the details.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ it accepts.
 
 Read them through `get(name)`: a value that does not parse is an InvalidArgument naming the
 variable and what it accepts (never a silent fallback to the default). An empty value counts
-as unset. The README's table is generated from `VARIABLES` (see `python -m comm.core.config`).
+as unset. The README keeps one line per variable; `python -m comm.core.config` prints them in full.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in [
     Variable("COMM_COMPRESS", "auto", "Calls with compress='bf16' / 'fp8' (comm.compress): auto (where the communicator spans hosts and the message holds at least COMM_COMPRESS_MIN_BYTES, if the first calls of that size measure it faster than the exact path), on (there, without measuring), force (always, one host too), off (never: the exact path). Every rank must use the same.", _one_of("auto", "on", "force", "off")),
     Variable("COMM_COMPRESS_MIN_BYTES", "4194304", "Smallest message (bytes of the caller's data) that compress= compresses across hosts; below it the exact path runs (latency, not the link, bounds small messages: at 2 Gbit/s compression measured slower at 1 MiB, even at 4 MiB, faster from 16 MiB).", _int_at_least(0)),
     Variable("COMM_COMPRESS_BLOCK", "256", "Elements per float32 scale of compress='fp8' (smaller: more accurate, more scale bytes on the wire, 4 per block). Every rank must use the same.", _int_at_least(1)),
-    Variable("COMM_WINDOW_RMA", "0", "1: windows reach peers of a net with remote memory access through it (UCX: ucp_put_nbx / ucp_get_nbx on exchanged rkeys; verbs: RDMA WRITE / READ through registered staging on the p2p queue pair, not yet run on RDMA hardware; signals stay messages); 0: through messages on the p2p stream that the target's engine writes in, as on TCP. 0 by default: without RDMA hardware UCX emulates RMA, measured 3-15x slower than the messages on one host, and its emulation writes wherever a peer's request says (README: One-sided). Ranks may differ: one with 0 reaches, and is reached by, messages only. 1 also opens UCX with RMA and its p2p worker in thread mode MULTI.", _flag),
+    Variable("COMM_WINDOW_RMA", "0", "1: windows reach peers of a net with remote memory access through it (UCX: ucp_put_nbx / ucp_get_nbx on exchanged rkeys; verbs: RDMA WRITE / READ through registered staging on the p2p queue pair, not yet run on RDMA hardware; signals stay messages); 0: through messages on the p2p stream that the target's engine writes in, as on TCP. 0 by default: without RDMA hardware UCX emulates RMA, measured 3-15x slower than the messages on one host, and its emulation writes wherever a peer's request says (docs/one-sided.md). Ranks may differ: one with 0 reaches, and is reached by, messages only. 1 also opens UCX with RMA and its p2p worker in thread mode MULTI.", _flag),
     Variable("COMM_DEBUG", "0", "1: log set-up (rendezvous, transport, connections) and each algorithm's first use to stderr.", _flag),
 ]}
 

@@ -1,37 +1,9 @@
 """One-sided windows on the mpi transport: MPI-3 RMA (comm.window over transport "mpi").
 
-A window is two MPI windows made with MPI_Win_create over the same group: the user's buffer
-(displacement unit 1 byte; a rank may expose 0 bytes) and `signals` int64 counters. Each is
-opened once with a passive-target epoch (MPI_Win_lock_all) that lasts until close, so a window
-is set up once and every put / get after that is one MPI call:
-
-    put         MPI_Put (completes at the next flush, as MPI_Put does)
-    get         MPI_Get (valid after the next flush)
-    flush       MPI_Win_flush(peer) / MPI_Win_flush_all
-    fence       flush_all, then a barrier (bounded by the communicator's timeout)
-    close       (after comm.Window's fence) MPI_Win_unlock_all, MPI_Win_free
-
-Signals are emulated: MPI has no put-with-signal (MPI 4.1 neither), and an MPI_Put followed by
-an MPI_Accumulate is not ordered at the target. So put(..., signal=k) is MPI_Put, then
-MPI_Win_flush(peer) (this and every earlier put to that peer have landed), then an
-MPI_Accumulate(SUM, 1) on the peer's counter k and a second flush so the target sees it
-without waiting for this rank's next MPI call: two round trips, and the caller's thread waits for
-both (a put without a signal does not wait). wait_signal and signal drive MPI's progress
-(MPI_Iprobe), MPI_Win_sync the counter window and read the counter (the unified memory model),
-polled with the transport's back-off against the timeout.
-
-Passive progress depends on the osc component. Open MPI enables its UCX components only on RDMA
-devices (opal_common_ucx_tls), so on a machine without an RDMA NIC Win.Create gets osc/rdma over
-btl/sm or tcp, which emulates RMA with active messages: a put + flush then waits until the
-target calls into MPI (measured: 1 s while the target slept 1 s). Launching with
-`--mca osc ucx --mca opal_common_ucx_tls any --mca opal_common_ucx_devices any` makes
-osc/ucx serve shared memory and TCP too, and the same put + flush took 0.05 ms.
-
-MPI_Win_flush has no timeout: a peer that hangs inside MPI can hold a flush (and so a put with
-a signal) forever, as MPI's blocking calls can (COMM_MPI_BOUNDED=0). With Open MPI's osc/rdma
-over shared memory or TCP the origin moves the bytes itself, so a target that is merely busy
-or stopped does not hold it. A rank that dies ends the whole job (Open MPI), unless it runs
-ULFM, whose RMA is not fault tolerant either.
+A window is two MPI windows (the user's buffer and `signals` int64 counters), each held in one
+passive-target epoch (MPI_Win_lock_all) until close, so every put / get is one MPI call. MPI has
+no put-with-signal and does not order a put before an accumulate, so a signal is a flush, an
+MPI_Accumulate on the counter and a second flush. Progress and Open MPI's osc: docs/transports.md.
 """
 from __future__ import annotations
 
