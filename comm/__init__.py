@@ -18,7 +18,7 @@ from .p2p import P2POp
 from .bootstrap.store import Store
 from .elastic import Membership
 from .core.errors import (Aborted, Closed, CommError, CommTimeout, Excluded, InvalidArgument, Mismatch,
-                     PeerFailure, Revoked, TransportUnavailable, from_os_error)
+                          PeerFailure, Revoked, TransportUnavailable, from_os_error)
 from .core.types import DType, PremulSum, ReduceOp, premul_sum
 from .window import Window
 from .work import Work

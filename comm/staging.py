@@ -30,7 +30,7 @@ from transports import base
 from .core.buffers import Buffer
 from .core.errors import CommError, TransportUnavailable
 from .core.gpu import (NO_BINDINGS, _cudart, cuda_check, current_stream, decode_record, encode_record, gpu_problem,
-                  notice_once, pci_bus_id)
+                       notice_once, pci_bus_id)
 from .core.ops import OpDesc, Request
 
 def cuda_transport(store, cpu_transport: str, device: int | None) -> str:

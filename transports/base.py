@@ -19,7 +19,7 @@ from comm.core import config
 from comm.core.buffers import as_buffer
 from comm.core.errors import CommError, TransportUnavailable
 from comm.core.ops import (DONE, BootstrapContext, CompletedRequest, OpDesc, OpKind,  # noqa: F401
-                      Request)  # the protocol's types
+                           Request)  # the protocol's types
 
 
 class Transport(abc.ABC):

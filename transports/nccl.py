@@ -16,7 +16,7 @@ import numpy as np
 from comm.core import gpu
 from comm.core.buffers import Buffer
 from comm.core.errors import (Aborted, Closed, CommError, CommTimeout, InvalidArgument, PeerFailure,
-                         TransportUnavailable)
+                              TransportUnavailable)
 from comm.core.gpu import cuda_check as _cuda_check
 from comm.core.types import DType, ReduceOp
 
